@@ -1,0 +1,262 @@
+"""Flax NNX decoder for Llama-3.x, Qwen2/2.5 and Qwen3: RMSNorm, RoPE, GQA, SwiGLU.
+
+Shapes: B batch, T new tokens, S cache slots, D hidden, N query heads, K kv heads,
+H head dim, F MLP width, V vocab.
+
+Two ways to call it:
+  * `model(tokens_BxT)` -> float32 logits_BxTxV (positions 0..T-1, no padding), or with
+    `mask_BxT` for left-padded rows (positions count valid tokens only);
+  * `model(tokens_BxT, cache=cache)` -> (logits_BxTxV, cache'): appends T tokens to an explicit
+    `KVCache` pytree and attends to everything valid in it.
+Inside `jax.jit`, use the pure form `apply(graphdef, params, tokens_BxT, ...)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sage_jax.models.config import ModelConfig
+
+_NEG = -1e30  # finite "minus infinity": a fully masked (padding) row stays finite
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys and values, which slots hold real tokens, and the next free slot.
+
+    k, v: tuples (one per layer) of [B, S, K, H] arrays in the compute dtype.
+    mask_BxS: True where the slot holds a real (non-padding) token.
+    index: int32 scalar, the next slot to write (shared by all rows: prompts are left-padded).
+    """
+
+    k: tuple
+    v: tuple
+    mask_BxS: jax.Array
+    index: jax.Array
+
+    @property
+    def size(self) -> int:
+        return self.mask_BxS.shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache of `size` slots per row."""
+    shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   mask_BxS=jnp.zeros((batch, size), bool), index=jnp.zeros((), jnp.int32))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """RoPE inverse frequencies [H/2] in float32, with llama3 scaling when configured."""
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the rotate-half convention of Hugging Face."""
+    freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x_BxTxNxH.dtype), jnp.sin(emb).astype(x_BxTxNxH.dtype)
+    x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
+    return x_BxTxNxH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel stored [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, cdtype, rngs: nnx.Rngs):
+        self.kernel = _normal(rngs, (d_in, d_out), dtype)
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        self.cdtype = cdtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.cdtype), self.kernel[...].astype(self.cdtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.cdtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, scaled in the compute dtype (as Hugging Face does)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, cdtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+        self.cdtype = cdtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.cdtype) * x32.astype(self.cdtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with optional q/k/v bias and Qwen3 q/k norm."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kw = dict(dtype=dtype, cdtype=cdtype, rngs=rngs)
+        self.q_proj = Linear(d, n * h, bias=cfg.qkv_bias, **kw)
+        self.k_proj = Linear(d, k * h, bias=cfg.qkv_bias, **kw)
+        self.v_proj = Linear(d, k * h, bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(n * h, d, bias=cfg.o_bias, **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, cdtype=cdtype)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, cdtype=cdtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.n, self.k, self.h = n, k, h
+
+    def __call__(self, x_BxTxD, positions_BxT, inv_freq, allowed_BxTxS, kv=None):
+        """Returns (out_BxTxD, (k_BxSxKxH, v_BxSxKxH)); `kv` = (cache_k, cache_v, index)."""
+        b, t, _ = x_BxTxD.shape
+        q = self.q_proj(x_BxTxD).reshape(b, t, self.n, self.h)
+        k = self.k_proj(x_BxTxD).reshape(b, t, self.k, self.h)
+        v = self.v_proj(x_BxTxD).reshape(b, t, self.k, self.h)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions_BxT, inv_freq)
+        k = apply_rope(k, positions_BxT, inv_freq)
+        if kv is not None:
+            cache_k, cache_v, index = kv
+            k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
+            v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
+        q_BxTxKxGxH = q.reshape(b, t, self.k, self.n // self.k, self.h)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k.astype(q.dtype),
+                            preferred_element_type=jnp.float32) / math.sqrt(self.h)
+        scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype))
+        return self.o_proj(out.reshape(b, t, self.n * self.h)), (k, v)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        kw = dict(bias=cfg.mlp_bias, dtype=dtype, cdtype=cdtype, rngs=rngs)
+        self.gate_proj = Linear(d, f, **kw)
+        self.up_proj = Linear(d, f, **kw)
+        self.down_proj = Linear(f, d, **kw)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
+                                       cdtype=cdtype)
+        self.self_attn = Attention(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
+                                                cdtype=cdtype)
+        self.mlp = MLP(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, allowed, kv=None):
+        a, new_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, allowed, kv)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+class Decoder(nnx.Module):
+    """Causal LM: embeddings, `num_layers` blocks, final norm, LM head (tied or not)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, compute_dtype=None,
+                 rngs: nnx.Rngs | None = None, remat: bool = False):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        cdtype = compute_dtype or dtype
+        self.cfg = cfg
+        self.dtype, self.compute_dtype, self.remat = dtype, cdtype, remat
+        self.embed_tokens = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.List([Block(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, cdtype=cdtype)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
+                               cdtype=cdtype, rngs=rngs))
+
+    def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None, cache: KVCache | None = None):
+        """Final-norm hidden states [B, T, D] (and the updated cache when one is given)."""
+        b, t = tokens_BxT.shape
+        mask_BxT = jnp.ones((b, t), bool) if mask_BxT is None else mask_BxT.astype(bool)
+        if cache is None:
+            key_mask_BxS = mask_BxT
+            q_slot_T = jnp.arange(t)
+            if positions_BxT is None:
+                positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1) - 1, 0)
+        else:
+            key_mask_BxS = jax.lax.dynamic_update_slice(cache.mask_BxS, mask_BxT,
+                                                        (0, cache.index))
+            q_slot_T = cache.index + jnp.arange(t)
+            if positions_BxT is None:
+                before = jnp.sum(cache.mask_BxS, axis=1, keepdims=True)
+                positions_BxT = jnp.maximum(before + jnp.cumsum(mask_BxT, axis=1) - 1, 0)
+        s = key_mask_BxS.shape[1]
+        allowed_BxTxS = (jnp.arange(s)[None, :] <= q_slot_T[:, None])[None] & key_mask_BxS[:, None]
+        inv_freq = rope_inv_freq(self.cfg)
+        x = self.embed_tokens[...][tokens_BxT].astype(self.compute_dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+            call = nnx.remat(type(layer).__call__) if self.remat else type(layer).__call__
+            x, (k, v) = call(layer, x, positions_BxT, inv_freq, allowed_BxTxS, kv)
+            new_k.append(k)
+            new_v.append(v)
+        h = self.norm(x)
+        if cache is None:
+            return h
+        return h, KVCache(k=tuple(new_k), v=tuple(new_v), mask_BxS=key_mask_BxS,
+                          index=cache.index + t)
+
+    def logits(self, h_BxTxD: jax.Array) -> jax.Array:
+        """float32 logits [B, T, V] from final hidden states."""
+        w = (self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...])
+        return jnp.dot(h_BxTxD.astype(self.compute_dtype), w.astype(self.compute_dtype),
+                       preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None,
+                 cache: KVCache | None = None):
+        out = self.hidden(tokens_BxT, positions_BxT=positions_BxT, mask_BxT=mask_BxT, cache=cache)
+        if cache is None:
+            return self.logits(out)
+        h, cache = out
+        return self.logits(h), cache
+
+
+def split(model: Decoder):
+    """(graphdef, params): the model as a static definition and a pytree of arrays."""
+    return nnx.split(model)
+
+
+def merge(graphdef, params) -> Decoder:
+    return nnx.merge(graphdef, params)
+
+
+def apply(graphdef, params, tokens_BxT, **kwargs):
+    """Pure form of `Decoder.__call__`, for use inside `jax.jit`."""
+    return nnx.merge(graphdef, params)(tokens_BxT, **kwargs)

@@ -1,0 +1,124 @@
+"""Load a Decoder from, and save it to, a Hugging Face checkpoint (config.json + safetensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from sage_jax.models.config import ModelConfig
+from sage_jax.models.decoder import Decoder
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, unexpected or has the wrong shape."""
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
+    """HF tensor name -> (our parameter path, whether the HF tensor is the transposed kernel)."""
+    names: dict[str, tuple[tuple, bool]] = {"model.embed_tokens.weight": (("embed_tokens",), False),
+                                            "model.norm.weight": (("norm", "weight"), False)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (("lm_head", "kernel"), True)
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", ("layers", i)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            names[hf + norm + ".weight"] = (ours + (norm, "weight"), False)
+        for proj, has_bias in (("q_proj", cfg.qkv_bias), ("k_proj", cfg.qkv_bias),
+                               ("v_proj", cfg.qkv_bias), ("o_proj", cfg.o_bias)):
+            names[f"{hf}self_attn.{proj}.weight"] = (ours + ("self_attn", proj, "kernel"), True)
+            if has_bias:
+                names[f"{hf}self_attn.{proj}.bias"] = (ours + ("self_attn", proj, "bias"), False)
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                names[f"{hf}self_attn.{norm}.weight"] = (ours + ("self_attn", norm, "weight"), False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[f"{hf}mlp.{proj}.weight"] = (ours + ("mlp", proj, "kernel"), True)
+            if cfg.mlp_bias:
+                names[f"{hf}mlp.{proj}.bias"] = (ours + ("mlp", proj, "bias"), False)
+    return names
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from an index file or the single model.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {path} (weights are loaded from safetensors only)")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="flax") as st:
+            out.update({name: f for name in st.keys()})
+    return out
+
+
+def _abstract_model(cfg: ModelConfig, dtype, compute_dtype):
+    return nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, compute_dtype=compute_dtype,
+                                          rngs=nnx.Rngs(0)))
+
+
+def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None) -> Decoder:
+    """Loads a Llama-3.x / Qwen2 / Qwen2.5 / Qwen3 checkpoint directory into a Decoder.
+
+    `dtype` is the parameter dtype; `compute_dtype` defaults to it.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_hf_dir(path)
+    graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, compute_dtype))
+    expected = hf_names(cfg)
+    files = _tensor_files(path)
+    unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
+                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensors for {cfg.architecture}: "
+                              f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    flat = dict(nnx.to_flat_state(abstract))
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        if name not in files:
+            raise CheckpointError(f"{path}: missing tensor {name!r} for {cfg.architecture}")
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="flax") as st:
+            for name in names:
+                ours, transpose = expected[name]
+                var = flat[ours]
+                t = st.get_tensor(name)
+                t = t.T if transpose else t
+                if tuple(t.shape) != tuple(var.shape):
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                        f"{tuple(var.shape)} for {cfg.architecture}")
+                var.set_value(jnp.asarray(t, dtype=dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def to_hf(model: Decoder, out_dir: str | Path, *, dtype=None) -> Path:
+    """Writes config.json + model.safetensors that `transformers` loads; returns the folder.
+
+    `dtype` (e.g. jnp.bfloat16) converts the weights; default keeps the parameter dtype.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg: ModelConfig = model.cfg
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors = {}
+    for name, (ours, transpose) in hf_names(cfg).items():
+        t = flat[ours].get_value()
+        t = t.T if transpose else t
+        tensors[name] = jnp.asarray(t, dtype=dtype or t.dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = str(jnp.dtype(dtype or model.dtype).name)
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out

@@ -1,0 +1,1 @@
+"""Tasks: training and evaluation data, and the prompt formats of each task."""

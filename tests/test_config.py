@@ -1,0 +1,159 @@
+"""Config: defaults, YAML + dotted overrides, strict key/type/range checks, YAML round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from sage_jax.config import (
+    Config,
+    ConfigError,
+    RLConfig,
+    from_dict,
+    load_config,
+    parse_args,
+    save_config,
+    to_dict,
+    to_yaml,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_papers_settings():
+    cfg = load_config(None, [])
+    assert cfg == Config()
+    assert (cfg.rl.method, cfg.rl.group_size, cfg.rl.prompts_per_step) == ("sage", 8, 128)
+    assert (cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.dual_clip, cfg.rl.kl_beta) == (
+        0.2, 0.28, 3.0, 0.0)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip) == (1e-6, 0.01, 1.0)
+    assert (cfg.eval.k, cfg.eval.temperature, cfg.eval.top_p) == (16, 0.6, 0.95)
+    assert (cfg.hint.low, cfg.hint.high, cfg.hint.max_level) == (0.1, 0.35, 3)
+    hash(cfg)  # Frozen and hashable: usable as a static argument to jax.jit.
+
+
+def test_example_config_loads():
+    cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [])
+    assert cfg.model.path is None and cfg.rl.method == "grpo"
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = _write(tmp_path, "rl:\n  group_size: 4\n  micro_batch_size: 4\noptim:\n  lr: 1e-5\n")
+    cfg = load_config(path, [
+        "rl.prompts_per_step=64",  # int
+        "optim.b2=0.95",  # float
+        "optim.eps=1e-6",  # float written without a dot (YAML reads it as text)
+        "model.remat=false",  # bool
+        "eval.benchmarks=[aime24, amc23]",  # list
+        "rl.micro_batch_size=null",  # null over a YAML value
+        "--train.seed=7",  # a leading -- is allowed
+        "model.path=2024",  # a str field keeps the text as written
+    ])
+    assert cfg.rl.group_size == 4 and cfg.optim.lr == 1e-5  # from the file
+    assert cfg.rl.prompts_per_step == 64 and cfg.optim.b2 == 0.95 and cfg.optim.eps == 1e-6
+    assert cfg.model.remat is False
+    assert cfg.eval.benchmarks == ("aime24", "amc23")
+    assert cfg.rl.micro_batch_size is None and cfg.train.seed == 7
+    assert cfg.model.path == "2024"
+    assert load_config(path, ["rl={group_size: 6}"]).rl.micro_batch_size == 4  # sections merge
+
+
+def test_text_numbers_are_coerced():
+    cfg = from_dict({"rl": {"group_size": "3", "temperature": "0.7"}})
+    assert cfg.rl.group_size == 3 and cfg.rl.temperature == 0.7
+
+
+def test_parse_args(tmp_path):
+    path = _write(tmp_path, "train:\n  steps: 3\n")
+    assert parse_args([str(path), "train.seed=1"]).train == dataclasses.replace(
+        Config().train, steps=3, seed=1)
+    assert parse_args(["--config", str(path)]).train.steps == 3
+    assert parse_args(["train.steps=2"], default=path).train.steps == 2
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_args(["train.steps"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.grup_size=4"], "unknown config key 'rl.grup_size' (did you mean 'rl.group_size'?)"),
+    (["rll.group_size=4"], "unknown config key 'rll' (did you mean 'rl'?)"),
+    (["group_size=4"], "unknown config key 'group_size' (did you mean 'rl.group_size'?)"),
+    (["optim.learning_rate=1"], "unknown config key 'optim.learning_rate'"),
+    (["rl.group_size.x=1"], "'rl.group_size' is not a section"),
+])
+def test_unknown_override_keys(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_unknown_yaml_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optm' \(did you mean 'optim'"):
+        load_config(_write(tmp_path, "optm:\n  lr: 1.0\n"), [])
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, "data:\n  problem_kye: q\n"), [])
+    assert "run.yaml" in str(e.value)
+    assert "'data.problem_kye' (did you mean 'data.problem_key'?)" in str(e.value)
+    with pytest.raises(ConfigError, match="'rl.grup_size'.*'rl.group_size'"):
+        from_dict({"rl": {"grup_size": 4}})
+
+
+@pytest.mark.parametrize("overrides, pieces", [
+    (["rl.method=ppo"], ["'rl.method'", "'ppo'", "'grpo', 'sage', 'sage_light', 'resample'"]),
+    (["optim.lr=-1e-6"], ["'optim.lr'", "must be > 0"]),
+    (["rl.group_size=1"], ["'rl.group_size'", "must be >= 2"]),
+    (["rl.group_size=abc"], ["'rl.group_size'", "'abc'", "expected int"]),
+    (["rl.group_size=2.5"], ["'rl.group_size'", "2.5", "expected int"]),
+    (["model.remat=maybe"], ["'model.remat'", "expected bool"]),
+    (["rl.micro_batch_size=x"], ["'rl.micro_batch_size'", "expected int or null"]),
+    (["rl.clip_low=-0.1"], ["'rl.clip_low'", "[0, 1)"]),
+    (["hint.low=0.5"], ["'hint.high'", "[low, 1]"]),
+    (["eval.benchmarks=[1]"], ["'eval.benchmarks[0]'", "expected str"]),
+    (["rl=3"], ["'rl' is a section"]),
+])
+def test_invalid_values(overrides, pieces):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    for piece in pieces:
+        assert piece in str(e.value)
+
+
+def test_sections_validate_on_construction():
+    with pytest.raises(ConfigError, match="group_size"):
+        RLConfig(group_size=1)
+    with pytest.raises(ConfigError, match="group_size"):
+        dataclasses.replace(Config().rl, group_size=0)
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="rl.prompts_per_step=3 must be divisible by "
+                                          "rl.minibatches=2"):
+        load_config(None, ["rl.prompts_per_step=3"])
+    assert load_config(None, ["rl.prompts_per_step=3", "rl.minibatches=1"]).rl.minibatches == 1
+    with pytest.raises(ConfigError, match="micro_batch_size=3 must divide"):
+        load_config(None, ["rl.micro_batch_size=3"])
+    with pytest.raises(ConfigError, match="set data.hint_key"):
+        load_config(None, ["hint.source=column"])
+    load_config(None, ["hint.source=column", "data.hint_key=hint"])
+    with pytest.raises(ConfigError, match="mesh axis"):
+        load_config(None, ["mesh.data=-1", "mesh.fsdp=-1"])
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, [
+        "rl.method=sage_light", "rl.micro_batch_size=8", "optim.lr=3e-7", "data.hint_key=h",
+        "data.train_files=[a.json, b.parquet]", "model.path=/ckpt", "eval.limit=5",
+        "train.workdir=/tmp/x y", "hint.source=column",
+    ])
+    assert cfg.train.workdir == "/tmp/x y"
+    save_config(cfg, tmp_path / "out" / "config.yaml")
+    assert load_config(tmp_path / "out" / "config.yaml", []) == cfg
+    assert from_dict(to_dict(cfg)) == cfg
+    assert load_config(_write(tmp_path, to_yaml(Config())), []) == Config()
