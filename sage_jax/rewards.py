@@ -1,0 +1,471 @@
+"""Host-side answer verifiers, a reward registry, and a process pool that runs them safely.
+
+A reward function has the signature ``fn(response: str, ground_truth: str) -> float``. Functions go
+to worker processes by reference, so they must be picklable: defined at module level (not a lambda,
+closure or bound method of an unpicklable object). A function may raise; `RewardPool` turns any
+exception, and any answer that runs past its deadline, into a 0.0 score and counts it.
+
+`math_reward` is the paper's reward: 1.0 when the last ``\\boxed{...}`` of the response is
+mathematically equivalent to the ground truth (checked with the `math-verify` library), else 0.0.
+The registry's "math" entry is its variant `math_reward_checked`, which raises on timeouts and
+refused inputs so that the pool's stats count them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import multiprocessing as mp
+import os
+import pickle
+import re
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from math_verify.errors import TimeoutException
+
+RewardFn = Callable[[str, str], float]
+
+MAX_BOXED_CHARS = 2_000
+"""Boxed answers longer than this are refused (`RewardRejected`) instead of parsed."""
+
+SOFT_TIMEOUT_S = 5
+"""Per-step math-verify timeout (whole seconds, SIGALRM-based; used only in a main thread)."""
+
+_BOX_OPEN_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE_TOKEN_RE = re.compile(r"\\.|[{}]", re.DOTALL)
+_UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+_INTEGRAL_FLOAT_RE = re.compile(r"[+-]?\d+\.0*")
+_SCI_NUMBER_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
+_TRAILING_POINT_RE = re.compile(r"(?<=\d)\.(?=$|[\s/),\]}*])")  # "1./3", "(1., 2.)", "5."
+_MACRO_SUBSCRIPT_RE = re.compile(r"_(?:\{\s*\\([A-Za-z]+)\s*\}|\\([A-Za-z]+))")
+_EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
+
+
+class RewardTimeout(TimeoutError):
+    """The checker ran out of time, so the answer could not be judged."""
+
+
+class RewardRejected(ValueError):
+    """The answer was refused before checking (e.g. an absurdly long boxed expression)."""
+
+
+# ----------------------------------------------------------------------------- answer text
+
+
+def _box_span(text: str, open_end: int) -> int | None:
+    """Index of the brace closing a group opened just before `open_end`; None if unbalanced."""
+    depth = 1
+    for m in _BRACE_TOKEN_RE.finditer(text, open_end):
+        token = m.group()
+        if token == "{":
+            depth += 1
+        elif token == "}":
+            depth -= 1
+            if depth == 0:
+                return m.start()
+    return None
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in `text`, stripped.
+
+    Braces must balance (escaped ``\\{`` and ``\\}`` do not count). Returns None when there is no
+    box, the last box is empty, or its braces never close (e.g. a truncated answer).
+    """
+    last = None
+    for last in _BOX_OPEN_RE.finditer(text):
+        pass
+    if last is None:
+        return None
+    close = _box_span(text, last.end())
+    if close is None:
+        return None
+    content = text[last.end():close].strip()
+    return content or None
+
+
+def normalize_answer(answer: Any) -> str:
+    """Canonical ground-truth string: integral floats as integers (27.0 -> "27"), no ``$``.
+
+    Accepts str, int or float. Strips whitespace, a box wrapping the whole answer, and unescaped
+    dollar signs (``$69$,$84$`` -> ``69,84``); escaped ``\\$`` (currency) is kept.
+    """
+    if isinstance(answer, (bool, np.bool_)) or answer is None:
+        raise TypeError(f"answer must be a str, int or float, got {answer!r}")
+    if isinstance(answer, (int, np.integer)):
+        return str(int(answer))
+    if isinstance(answer, (float, np.floating)):
+        value = float(answer)
+        if not math.isfinite(value):
+            raise ValueError(f"answer is not a finite number: {answer!r}")
+        return str(int(value)) if value.is_integer() else repr(value)
+    if not isinstance(answer, str):
+        raise TypeError(f"answer must be a str, int or float, got {type(answer).__name__}")
+    text = answer.strip()
+    box = _BOX_OPEN_RE.match(text)
+    if box is not None and _box_span(text, box.end()) == len(text) - 1:
+        text = text[box.end():-1].strip()
+    text = _UNESCAPED_DOLLAR_RE.sub("", text).strip()
+    if _INTEGRAL_FLOAT_RE.fullmatch(text):
+        text = text.split(".")[0]
+    return text
+
+
+# ----------------------------------------------------------------------------- math reward
+
+
+def _soft_timeout() -> int | None:
+    """math-verify's SIGALRM timeouts work only in the main thread; elsewhere disable them."""
+    return SOFT_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _prepare(text: str) -> str:
+    """Rewrite what math-verify misreads: 3.8e35 (as 3.8*e*35), 1./3, and macro subscripts
+    such as m_{\\max} or L_\\odot (unparseable; they become plain names, m_{max})."""
+    text = _SCI_NUMBER_RE.sub(r"\1 \\times 10^{\2}", text)
+    text = _TRAILING_POINT_RE.sub("", text)
+    return _MACRO_SUBSCRIPT_RE.sub(lambda m: "_{" + (m.group(1) or m.group(2)) + "}", text)
+
+
+@functools.lru_cache(maxsize=2048)  # a prompt's ground truth and its G answers repeat a lot
+def _parse(latex: str, timeout_s: int | None) -> tuple:
+    try:
+        return tuple(parse("\\boxed{" + latex + "}", extraction_config=_EXTRACTION,
+                     parsing_timeout=timeout_s, raise_on_error=True))
+    except TimeoutException:
+        raise RewardTimeout("math-verify timed out while parsing") from None
+    except Exception:  # unparseable: judged by the string fallback only, or not at all
+        return ()
+
+
+def parse_answer(latex: str) -> tuple:
+    """math-verify's reading of a bare LaTeX answer: SymPy objects and/or its string fallback.
+
+    An answer that yields only strings can be matched by identical text alone.
+    """
+    return _parse(_prepare(latex), _soft_timeout())
+
+
+def is_equivalent(answer: str, ground_truth: str) -> bool:
+    """Whether two bare LaTeX answers (no box) are mathematically equivalent per math-verify.
+
+    Identical strings are equivalent without parsing. Raises `RewardTimeout` when a parse or
+    every failing comparison ran out of time.
+    """
+    if answer.strip() == ground_truth.strip():
+        return True
+    timeout_s = _soft_timeout()
+    gold = _parse(_prepare(ground_truth), timeout_s)
+    pred = _parse(_prepare(answer), timeout_s)
+    timed_out = False
+    for g in gold:
+        for p in pred:
+            try:
+                if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
+                    return True
+            except TimeoutException:
+                timed_out = True
+            except Exception:  # e.g. sympy cannot compare these two kinds of object
+                continue
+    if timed_out:
+        raise RewardTimeout("math-verify timed out while comparing")
+    return False
+
+
+def math_reward(response: str, ground_truth: str) -> float:
+    """1.0 if the last boxed answer in `response` equals `ground_truth` mathematically, else 0.0.
+
+    No box, an empty box, unbalanced braces, a boxed answer over `MAX_BOXED_CHARS` and a
+    math-verify timeout all score 0.0. `math_reward_checked` (the registered "math" reward) raises
+    for the last two instead, so that `RewardPool` can count them.
+    """
+    try:
+        return math_reward_checked(response, ground_truth)
+    except (RewardTimeout, RewardRejected):
+        return 0.0
+
+
+def math_reward_checked(response: str, ground_truth: str) -> float:
+    """`math_reward`, but raises `RewardRejected` for a boxed answer over `MAX_BOXED_CHARS` and
+    `RewardTimeout` when math-verify runs out of time. Raises ValueError for an empty ground truth.
+    """
+    answer = extract_boxed(response)
+    if answer is None:
+        return 0.0
+    if len(answer) > MAX_BOXED_CHARS:
+        raise RewardRejected(f"boxed answer has {len(answer)} chars (limit {MAX_BOXED_CHARS})")
+    gold = normalize_answer(ground_truth)
+    if not gold:
+        raise ValueError("ground truth is empty")
+    return 1.0 if is_equivalent(answer, gold) else 0.0
+
+
+# ----------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str, fn: RewardFn, *, overwrite: bool = False) -> None:
+    """Make `fn(response, ground_truth) -> float` available as `name`.
+
+    `fn` must be picklable (a module-level function) because it runs in worker processes.
+    """
+    if not callable(fn):
+        raise TypeError(f"reward {name!r} is not callable: {fn!r}")
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise TypeError(f"reward {name!r} must be picklable (a module-level function): {e}") from e
+    if name in _REGISTRY and _REGISTRY[name] is not fn and not overwrite:
+        raise ValueError(f"reward {name!r} is already registered; pass overwrite=True to replace")
+    _REGISTRY[name] = fn
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function registered as `name`."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def reward_names() -> tuple[str, ...]:
+    """Names of all registered rewards."""
+    return tuple(sorted(_REGISTRY))
+
+
+register_reward("math", math_reward_checked)  # its timeouts and refusals get counted
+
+# ----------------------------------------------------------------------------- worker pool
+
+
+def _worker_main(conn: Connection, memory_limit_mb: int | None) -> None:
+    """Worker loop: receive (fn, response, ground_truth), send (status, score)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and shuts us down
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # it logs whole inputs on timeout
+    if memory_limit_mb is not None:
+        import resource
+
+        limit = memory_limit_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    conn.send(("ready", 0.0))
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        fn, response, ground_truth = task
+        try:
+            value = float(fn(response, ground_truth))
+            reply = ("ok", value) if math.isfinite(value) else ("errors", 0.0)
+        except (TimeoutError, TimeoutException):
+            reply = ("timeouts", 0.0)
+        except RewardRejected:
+            reply = ("rejected", 0.0)
+        except BaseException:  # noqa: BLE001 - any failure of a reward is a counted zero
+            reply = ("errors", 0.0)
+        conn.send(reply)
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Connection
+    ready: bool = False
+    task: int | None = None
+    deadline: float = 0.0
+
+
+def _default_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
+class RewardPool:
+    """Persistent worker processes that score (response, ground truth) pairs with hard timeouts.
+
+    Each answer gets `timeout_s` seconds from dispatch; a worker that overruns is killed and
+    replaced. Timeouts, exceptions, worker crashes and refused inputs all score 0.0 and are counted
+    in the stats returned by `score`; nothing from a reward function is ever raised. Pairs with
+    more than `max_chars` characters are refused without being sent to a worker. Use as a context
+    manager or call `close()`. Not thread-safe. Workers start with 'forkserver' (else 'spawn'),
+    so a script that creates a pool needs the usual ``if __name__ == "__main__":`` guard.
+    """
+
+    def __init__(self, fn: RewardFn | str = "math", *, num_workers: int | None = None,
+                 timeout_s: float = 5.0, max_chars: int | None = 1_000_000,
+                 memory_limit_mb: int | None = 4096, start_method: str | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.fn = self._resolve(fn)
+        self.num_workers = num_workers or _default_workers()
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self.memory_limit_mb = memory_limit_mb
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            self._ctx.set_forkserver_preload([__name__])
+        self._workers: list[_Worker] = []
+        self._closed = False
+        for _ in range(self.num_workers):
+            self._workers.append(self._start_worker())
+
+    @staticmethod
+    def _resolve(fn: RewardFn | str) -> RewardFn:
+        return get_reward(fn) if isinstance(fn, str) else fn
+
+    def _start_worker(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(target=_worker_main, args=(child, self.memory_limit_mb),
+                                    daemon=True, name="sage-reward-worker")
+        process.start()
+        child.close()
+        return _Worker(process, parent)
+
+    def _replace(self, slot: int) -> None:
+        old = self._workers[slot]
+        if old.process.is_alive():
+            old.process.kill()
+        old.process.join(timeout=5)
+        old.conn.close()
+        self._workers[slot] = self._start_worker()
+
+    def score(self, responses: Sequence[str], ground_truths: Sequence[str], *,
+              fn: RewardFn | str | None = None,
+              timeout_s: float | None = None) -> tuple[np.ndarray, dict[str, int]]:
+        """Scores[N] (float32) for the pairs, and counts: n, timeouts, killed, errors, rejected.
+
+        `killed` counts the timeouts that needed a worker to be killed (a subset of `timeouts`).
+        """
+        if self._closed:
+            raise RuntimeError("RewardPool is closed")
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        fn = self.fn if fn is None else self._resolve(fn)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return self._score(responses, ground_truths, fn, timeout_s)
+        except BaseException:  # e.g. Ctrl-C: drop busy workers so no stale reply leaks later
+            for slot, w in enumerate(self._workers):
+                if w.task is not None:
+                    self._replace(slot)
+            raise
+
+    def _score(self, responses: Sequence[str], ground_truths: Sequence[str], fn: RewardFn,
+               timeout_s: float) -> tuple[np.ndarray, dict[str, int]]:
+        n = len(responses)
+        scores = np.zeros(n, np.float32)
+        stats = {"n": n, "timeouts": 0, "killed": 0, "errors": 0, "rejected": 0}
+        todo: deque[int] = deque()
+        for i, (response, truth) in enumerate(zip(responses, ground_truths)):
+            if not isinstance(response, str) or not isinstance(truth, str):
+                stats["errors"] += 1
+            elif self.max_chars is not None and len(response) + len(truth) > self.max_chars:
+                stats["rejected"] += 1
+            else:
+                todo.append(i)
+        startup_failures = 0
+        while todo or any(w.task is not None for w in self._workers):
+            for slot, w in enumerate(self._workers):
+                if w.ready and w.task is None and todo:
+                    i = todo.popleft()
+                    try:
+                        w.conn.send((fn, responses[i], ground_truths[i]))
+                    except (BrokenPipeError, OSError):
+                        todo.appendleft(i)
+                        self._replace(slot)
+                        continue
+                    w.task, w.deadline = i, time.monotonic() + timeout_s
+            busy = [w.deadline for w in self._workers if w.task is not None]
+            wait_s = max(0.0, min(busy) - time.monotonic()) if busy else 60.0
+            waiting = {w.conn: slot for slot, w in enumerate(self._workers)
+                       if w.task is not None or not w.ready}
+            events = wait(list(waiting), wait_s)
+            if not events and not busy:
+                raise RuntimeError("reward workers did not start within 60 s")
+            for conn in events:
+                slot = waiting[conn]
+                w = self._workers[slot]
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):  # the worker died (crash, out of memory, ...)
+                    if w.task is None:
+                        startup_failures += 1
+                        if startup_failures > 3 * self.num_workers:
+                            raise RuntimeError("reward workers keep dying at start-up") from None
+                    else:
+                        stats["errors"] += 1
+                    self._replace(slot)
+                    continue
+                if status == "ready":
+                    w.ready = True
+                    continue
+                if status == "ok":
+                    scores[w.task] = value
+                else:
+                    stats[status] += 1
+                w.task = None
+            now = time.monotonic()
+            for slot, w in enumerate(self._workers):
+                if w.task is not None and now >= w.deadline:
+                    stats["timeouts"] += 1
+                    stats["killed"] += 1
+                    self._replace(slot)
+        return scores, stats
+
+    def close(self) -> None:
+        """Stop all workers. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for w in self._workers:
+            try:
+                if w.task is None:
+                    w.conn.send(None)
+                else:
+                    w.process.kill()
+            except (BrokenPipeError, OSError):
+                pass
+        for w in self._workers:
+            w.process.join(timeout=2)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout=2)
+            w.conn.close()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def score_batch(responses: Sequence[str], ground_truths: Sequence[str], *,
+                fn: RewardFn | str = "math", timeout_s: float = 5.0,
+                num_workers: int | None = None) -> tuple[np.ndarray, dict[str, int]]:
+    """One-off `RewardPool(...).score(...)`; for repeated calls keep a `RewardPool` open."""
+    with RewardPool(fn, num_workers=num_workers, timeout_s=timeout_s) as pool:
+        return pool.score(responses, ground_truths)
