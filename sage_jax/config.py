@@ -158,8 +158,13 @@ class HintConfig(_Section):
     low: float = 0.1  # sage_light: raise the level when last accuracy <= low.
     high: float = 0.35  # sage_light: lower the level when last accuracy > high.
     max_level: int = 3  # Highest hint level (and re-sampling rounds for sage / resample).
+    max_request_tokens: int = 4096  # Longer hint requests are skipped (counted), never cut.
+    cache_bytes: int = 2048  # Bytes per level kept in the train state's hint cache.
 
     def validate(self) -> None:
+        _require(self.max_request_tokens >= 1, "max_request_tokens", self.max_request_tokens,
+                 "must be >= 1")
+        _require(self.cache_bytes >= 16, "cache_bytes", self.cache_bytes, "must be >= 16")
         _require(self.refresh_every >= 0, "refresh_every", self.refresh_every,
                  "must be >= 0 (0 = never rewrite)")
         _require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")

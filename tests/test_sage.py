@@ -1,0 +1,255 @@
+"""SAGE semantics with a scripted policy double, and hint payload parsing."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sage_jax import rollout, sage
+from sage_jax.tasks.data import Example
+
+G = 4
+
+
+class CharTask:
+    """Prompts are characters; 'Q:<problem>' asks, '|H:<hint>' adds a hint, 'R:' requests one."""
+
+    reward_name = "double"
+    eos_ids = (0,)
+    pad_id = 0
+
+    def answer_prompt(self, problem):
+        return [ord(c) for c in "Q:" + problem]
+
+    def hinted_prompt(self, problem, hint):
+        return [ord(c) for c in "Q:" + problem + "|H:" + hint]
+
+    def hint_request(self, problem, solution):
+        return [ord(c) for c in "R:" + problem]
+
+    def decode(self, ids):
+        return "".join(chr(int(i)) for i in ids if int(i))
+
+
+class ScriptedPolicy:
+    """Answers right only when the prompt's hint level is >= the problem's 'need' level.
+
+    Problems are named 'p<id>n<need>'; hints written for them are 'L<level>'. Records calls.
+    """
+
+    def __init__(self, bad_payload_for=()):
+        self.calls = []
+        self.bad = set(bad_payload_for)
+
+    def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, temperature,
+                 top_p, top_k):
+        texts = ["".join(chr(t) for t in p) for p in prompts]
+        self.calls.append((salt, list(prompt_ids), texts))
+        outs = []
+        for text in texts:
+            if text.startswith("R:"):
+                name = text[2:]
+                payload = ("not json at all" if name in self.bad else
+                           json.dumps({"level1": "L1", "level2": "L2", "level3": "L3"}))
+                outs.append([payload] * num_samples)
+                continue
+            problem, _, hint = text[2:].partition("|H:")
+            need = int(problem.split("n")[1])
+            have = int(hint[1:]) if hint else 0
+            ans = "RIGHT" if have >= need else "WRONG"
+            outs.append([f"{ans}@{have}"] * num_samples)
+        t = max_new_tokens
+        tokens = np.zeros((len(prompts), num_samples, t), np.int32)
+        lengths = np.zeros((len(prompts), num_samples), np.int32)
+        for b, row in enumerate(outs):
+            for g, s in enumerate(row):
+                ids = [ord(c) for c in s][:t]
+                tokens[b, g, :len(ids)] = ids
+                lengths[b, g] = len(ids)
+        return rollout.Samples(tokens, lengths, np.zeros(tokens.shape, np.float32))
+
+
+def scorer(responses, gts):
+    return np.array([1.0 if r.startswith("RIGHT") else 0.0 for r in responses]), {}
+
+
+def make_examples(needs, with_solution=True):
+    return [Example(problem=f"p{i}n{n}", answer="RIGHT", solution="sol" if with_solution else None,
+                    hint=None, index=i) for i, n in enumerate(needs)]
+
+
+def run(method, examples, ids=None, tables=None, step=0, policy=None, **kw):
+    policy = policy or ScriptedPolicy()
+    tables = tables or rollout.SageTables.empty(len(examples), hint_width=64)
+    settings = rollout.RolloutSettings(method=method, group_size=G, max_new_tokens=16, **kw)
+    ids = np.arange(len(examples)) if ids is None else ids
+    out = rollout.run([examples[i] for i in ids], np.asarray(ids), task=CharTask(),
+                      sampler=policy, scorer=scorer, settings=settings, tables=tables, step=step)
+    return out, policy, tables
+
+
+def test_sage_escalates_only_unresolved_prompts_and_replaces_whole_groups():
+    ex = make_examples([0, 1, 2, 3, 4])
+    out, policy, _ = run("sage", ex)
+    np.testing.assert_array_equal(out.level, [0, 1, 2, 3, 3])
+    np.testing.assert_array_equal(out.round, [0, 1, 2, 3, 3])
+    np.testing.assert_array_equal(out.rewards.max(1), [1, 1, 1, 1, 0])
+    # Every answer of a group comes from the same context (never mixed).
+    for b in range(5):
+        assert len({t.split("@")[1] for t in out.texts[b]}) == 1
+        assert out.texts[b][0].endswith(f"@{out.level[b]}")
+    # Which prompts each call re-sampled: level k only for prompts unresolved before it.
+    answer_calls = [(salt, ids) for salt, ids, texts in policy.calls if texts[0].startswith("Q:")]
+    assert answer_calls == [(0, [0, 1, 2, 3, 4]), (1, [1, 2, 3, 4]), (2, [2, 3, 4]), (3, [3, 4])]
+    hint_calls = [ids for salt, ids, texts in policy.calls if texts[0].startswith("R:")]
+    assert hint_calls == [[1, 2, 3, 4]]  # one batched request for all that need a hint
+    # The prompt a hinted group trains on is the hinted context; the plain one is kept too.
+    assert "".join(map(chr, out.prompts[2])).endswith("|H:L2")
+    assert "".join(map(chr, out.plain_prompts[2])) == "Q:p2n2"
+    m = out.metrics
+    assert m["collapse/frac_all_zero"] == pytest.approx(4 / 5)
+    assert m["collapse/frac_all_one"] == pytest.approx(1 / 5)
+    assert m["collapse/frac_all_zero_after"] == pytest.approx(1 / 5)
+    assert m["hint/prompts_needing_hint"] == 4
+    assert (m["hint/used_level_1"], m["hint/used_level_2"], m["hint/used_level_3"]) == (4, 3, 2)
+    assert m["hint/acc_level_0"] == 1.0 and m["hint/acc_level_3"] == 0.5
+    assert m["hint/write_failed"] == 0
+    # Groups here are all-right or all-wrong, so none became mixed.
+    assert m["hint/rescued"] == 0
+
+
+def test_sage_levels_restart_every_step():
+    ex = make_examples([0, 2])
+    tables = rollout.SageTables.empty(2, hint_width=64)
+    run("sage", ex, tables=tables, step=0)
+    out, policy, _ = run("sage", ex, tables=tables, step=1)
+    first = [ids for salt, ids, texts in policy.calls if salt == 0]
+    assert first == [[0, 1]]  # both start un-hinted again
+    np.testing.assert_array_equal(out.level, [0, 2])
+
+
+def test_prompts_without_solution_or_unparseable_hints_keep_their_group():
+    ex = make_examples([1, 1, 1])
+    ex[1] = Example(problem="p1n1", answer="RIGHT", solution=None, hint=None, index=1)
+    policy = ScriptedPolicy(bad_payload_for={"p2n1"})
+    out, policy, _ = run("sage", ex, policy=policy, hint_retries=2)
+    np.testing.assert_array_equal(out.level, [1, 0, 0])
+    assert out.metrics["hint/write_failed"] == 1
+    assert out.metrics["hint/prompts_needing_hint"] == 2
+    retries = [ids for salt, ids, texts in policy.calls if texts[0].startswith("R:")]
+    assert retries == [[0, 2], [2], [2]]  # first try, then 2 retries of the failure
+    assert out.rewards[1].max() == 0 and out.rewards[2].max() == 0
+
+
+def test_resample_control_has_the_same_budget_without_hints():
+    ex = make_examples([0, 1, 4])
+    out, policy, _ = run("resample", ex)
+    np.testing.assert_array_equal(out.level, [0, 0, 0])
+    np.testing.assert_array_equal(out.round, [0, 3, 3])
+    assert not any(t[0].startswith("R:") for _, _, t in policy.calls)
+    assert all("|H:" not in t for _, _, texts in policy.calls for t in texts)
+    assert [ids for _, ids, _ in policy.calls] == [[0, 1, 2], [1, 2], [1, 2], [1, 2]]
+
+
+def test_grpo_samples_once():
+    ex = make_examples([0, 1, 4])
+    out, policy, _ = run("grpo", ex)
+    assert len(policy.calls) == 1
+    np.testing.assert_array_equal(out.level, [0, 0, 0])
+    assert out.metrics["collapse/frac_all_zero_after"] == out.metrics["collapse/frac_all_zero"]
+
+
+def test_sage_light_levels_follow_last_accuracy():
+    ex = make_examples([2, 0])
+    tables = rollout.SageTables.empty(2, hint_width=64)
+    levels = []
+    for step in range(4):
+        out, _, _ = run("sage_light", ex, tables=tables, step=step)
+        levels.append(list(out.level))
+    # p0 needs level 2: 0 (first time) -> 1 (acc 0 <= low) -> 2 (acc 0) -> 2 (acc 1 > high: but
+    # stored level then drops to 1 at the next visit). p1 always right: stays 0.
+    assert levels == [[0, 0], [1, 0], [2, 0], [1, 0]]
+    assert tables.seen.all() and tables.ever_solved.all()
+    np.testing.assert_array_equal(tables.hint_level, [1, 0])
+
+
+def test_sage_light_reuses_last_good_payload_when_writing_fails():
+    ex = make_examples([1])
+    tables = rollout.SageTables.empty(1, hint_width=64)
+    run("sage_light", ex, tables=tables, step=0)  # first visit: no hint, acc 0
+    tables.store_hints(0, {1: "L1", 2: "L2", 3: "L3"}, step=0)
+    policy = ScriptedPolicy(bad_payload_for={"p0n1"})
+    out, _, _ = run("sage_light", ex, tables=tables, step=1, policy=policy)
+    assert out.level[0] == 1 and out.hints[0] == "L1"
+    assert out.metrics["hint/write_failed"] == 1
+
+
+def test_offline_hints_are_written_once_and_reused():
+    ex = make_examples([1, 2])
+    tables = rollout.SageTables.empty(2, hint_width=64)
+    _, p0, _ = run("sage", ex, tables=tables, step=0, hint_source="offline")
+    _, p1, _ = run("sage", ex, tables=tables, step=5, hint_source="offline")
+    count = lambda p: sum(t[0].startswith("R:") for _, _, t in p.calls)
+    assert (count(p0), count(p1)) == (1, 0)
+    _, p2, _ = run("sage", ex, tables=tables, step=6, hint_refresh_every=3)
+    assert count(p2) == 1  # written at step 0, refreshed every 3 steps
+
+
+def test_column_hints():
+    ex = [Example(problem="p0n2", answer="RIGHT", solution=None,
+                  hint=json.dumps({"level1": "L1", "level2": "L2"}), index=0)]
+    out, policy, _ = run("sage", ex, hint_source="column")
+    assert out.level[0] == 2
+    assert not any(t[0].startswith("R:") for _, _, t in policy.calls)
+
+
+def test_frac_never_solved_counts_seen_prompts():
+    ex = make_examples([0, 9, 9, 9])
+    tables = rollout.SageTables.empty(4, hint_width=64)
+    out, _, _ = run("grpo", ex, ids=np.array([0, 1]), tables=tables)
+    assert out.metrics["hint/frac_never_solved"] == 0.5
+
+
+# ---- parse_hints ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ('{"level1": "a", "level2": "b", "level3": "c"}', {1: "a", 2: "b", 3: "c"}),
+    ('Sure!\n```json\n{"level1": "a", "level2": "b", "level3": "c"}\n```', {1: "a", 2: "b", 3: "c"}),
+    ('{"level1": "a", "level2": "b",}', {1: "a", 2: "b"}),
+    ("{'level1': 'a', 'level3': 'c'}", {1: "a", 3: "c"}),
+    ('{"1": "a", "2": "", "3": "c"}', {1: "a", 3: "c"}),
+    ('{"hints": {"minimal": "a", "medium": "b", "detailed": "c"}}', {1: "a", 2: "b", 3: "c"}),
+    ('{"level1": "a", "level2": "b", "level3": "trunc', {1: "a", 2: "b"}),
+    ("", None),
+    ("no json here", None),
+    ("{}", None),
+    ('{"level1": ""}', None),
+    ('{"level1": ["list"]}', None),
+    ("{" * 5000 + "}" * 5000, None),
+    ('{"level1": __import__("os").system("echo pwned")}', None),
+])
+def test_parse_hints(text, expected):
+    assert sage.parse_hints(text) == expected
+
+
+def test_parse_hints_rejects_a_level_that_boxes_the_answer():
+    text = json.dumps({"level1": "Use symmetry.", "level2": "So it is \\boxed{\\frac{1}{2}}",
+                       "level3": "The answer is \\boxed{0.5}."})
+    assert sage.parse_hints(text, ground_truth="1/2") == {1: "Use symmetry."}
+    assert sage.parse_hints(text, ground_truth="7") == {1: "Use symmetry.", 2: "So it is \\boxed{\\frac{1}{2}}",
+                                                         3: "The answer is \\boxed{0.5}."}
+
+
+def test_group_status_non_binary():
+    r = np.array([[0.0, 0.0], [1.0, 1.0], [0.2, 0.25], [0.0, 1.0]])
+    st = sage.group_status(r, collapse_std=0.05, success_threshold=0.5)
+    np.testing.assert_array_equal(st["all_zero"], [True, False, True, False])
+    np.testing.assert_array_equal(st["all_one"], [False, True, False, False])
+    np.testing.assert_array_equal(st["mixed"], [False, False, False, True])
+
+
+def test_hint_cache_round_trip():
+    row = sage.encode_hint("héllo ∑", 8)
+    assert sage.decode_hint(row) == "héllo "  # cut at a character boundary
+    assert sage.decode_hint(sage.encode_hint("abc", 16)) == "abc"
+    assert sage.decode_hint(sage.encode_hint(None, 4)) is None
