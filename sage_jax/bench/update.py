@@ -1,0 +1,112 @@
+"""`python -m sage_jax.bench update --workload small [--json]`: one GRPO update step.
+
+Times `update.make_train_step` on the workload's model: forward + backward + AdamW over
+num_prompts * samples_per_prompt rows of prompt_len + max_new_tokens tokens, one optimiser step
+(minibatches=1), old log-probs given (computed once beforehand, not timed). Uses the peers'
+prompts, quiet-machine wait, warm-up and median timing (`_common.time_calls`) and JSON schema
+(`_common.emit`, peer "sage_jax-update"); tokens_per_s counts prompt + answer tokens, as the
+tunix GRPO-step peer does. Also reports the step's model FLOP/s next to a plain matmul's.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sage_jax import config as config_lib, parallel, update
+from sage_jax.bench import common
+
+MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "32"))  # rows per micro-batch
+CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
+REMAT = os.environ.get("SAGE_JAX_BENCH_REMAT_LOGITS", "0") == "1"  # recompute chunk logits
+
+
+def model_flops(w: dict, rows: int, seq: int) -> float:
+    """Training FLOPs of one step by the usual MFU count: 6 * matmul params * tokens plus
+    12 * layers * heads * head_dim * seq * tokens for attention (embedding lookup excluded)."""
+    m = w["model"]
+    d, f, h, k, hd = (m["hidden_size"], m["intermediate_size"], m["num_heads"],
+                      m["num_kv_heads"], m["head_dim"])
+    per_layer = d * hd * (h + 2 * k) + h * hd * d + 3 * d * f
+    params = m["num_layers"] * per_layer + d * m["vocab_size"]
+    tokens = rows * seq
+    return 6.0 * params * tokens + 12.0 * m["num_layers"] * h * hd * seq * tokens
+
+
+def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a plain float32 [n, n] @ [n, n] on this machine (median of `repeats`)."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n ** 3 / statistics.median(times)
+
+
+def run(args) -> None:
+    pc = common.peers_module(args.peers_dir)
+    w = pc.load_workload(args.workload)
+    s = w["sampling"]
+    b, g, p, t = s["num_prompts"], s["samples_per_prompt"], s["prompt_len"], s["max_new_tokens"]
+    rows, seq = b * g, p + t
+    micro = min(MICRO_BATCH, rows)
+    cfg = config_lib.Config(
+        model=config_lib.ModelConfig(dtype="float32", compute_dtype="float32", remat=False),
+        rl=config_lib.RLConfig(method="grpo", prompts_per_step=b, group_size=g,
+                               max_new_tokens=t, minibatches=1, micro_batch_size=micro),
+        mesh=config_lib.MeshConfig(data=-1))
+    mesh = parallel.make_mesh(cfg.mesh)
+    graphdef, state = update.init_train_state(common.build_model(w), cfg, mesh)
+
+    rng = np.random.default_rng(w["timing"].get("seed", 0))
+    prompts = np.repeat(pc.make_prompts(w), g, axis=0)
+    answers = rng.integers(1, w["model"]["vocab_size"], (rows, t))
+    tokens = np.concatenate([prompts, answers], axis=1).astype(np.int32)
+    mask = np.ones((rows, seq), bool)
+    loss_mask = np.arange(seq)[None].repeat(rows, 0) >= p
+    old = update.make_logprob_fn(graphdef, mesh, micro_batch_size=micro, chunk=CHUNK)(
+        state.params, tokens, mask, loss_mask)
+    batch = parallel.shard_batch(dict(
+        tokens_NxL=tokens, mask_NxL=mask, loss_mask_NxL=loss_mask, old_logp_NxL=np.asarray(old),
+        advantages_N=rng.standard_normal(rows).astype(np.float32)), mesh)
+    step = update.make_train_step(graphdef, cfg, mesh, chunk=CHUNK, remat_logits=REMAT)
+    losses = []
+
+    def call(i):
+        nonlocal state
+        state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        losses.append(float(metrics["loss"]))
+        if not np.isfinite(losses[-1]) or not np.isfinite(float(metrics["grad_norm"])):
+            raise RuntimeError(f"non-finite loss or grad norm: {metrics}")
+
+    warm, times = pc.time_calls(call, w)
+    flops = model_flops(w, rows, seq)
+    mm = matmul_flops_per_s()
+    med = statistics.median(times)
+    extra = {
+        "metric": "(prompt+answer) tokens per second of one jitted GRPO update step "
+                  "(fwd+bwd+AdamW, old log-probs given)",
+        "answer_tokens_per_s": round(rows * t / med, 2),
+        "seq_len": seq, "micro_batch_size": micro, "logits_chunk": CHUNK, "remat_logits": REMAT,
+        "devices": len(jax.devices()), "model_flops_per_step": flops,
+        "model_flops_per_s": round(flops / med, 1), "matmul_flops_per_s": round(mm, 1),
+        "model_flops_vs_matmul": round(flops / med / mm, 3),
+        "losses": [round(x, 6) for x in losses],
+        "versions": {"jax": jax.__version__},
+    }
+    rec = pc.emit("sage_jax-update", args.workload, w, warm, times, extra=extra,
+                  tokens_per_call=rows * seq) if args.json else None
+    if not args.json:
+        pc.log(f"update {args.workload}: {rows * seq / med:,.0f} tokens/s, median {med:.3f}s, "
+               f"peak RSS {pc.peak_rss_mb():,.0f} MB, model {flops / med / 1e9:.1f} GFLOP/s vs "
+               f"matmul {mm / 1e9:.1f} GFLOP/s")
+    return rec

@@ -1,0 +1,53 @@
+"""TrainState: everything a run carries from step to step, as one pytree (checkpointed whole).
+
+The model's `graphdef` and the optax transform are static: they are rebuilt from the config and
+never stored in the state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from sage_jax import models
+
+
+@flax.struct.dataclass
+class TrainState:
+    """params: the policy's parameter pytree (`models.split(model)[1]`), float32 masters when
+    the model is stored in bf16 and master_fp32 is on; opt_state: optax state of those params;
+    step: int32 training steps done (one step = one `train_step` call, i.e. `rl.minibatches *
+    rl.epochs_per_batch` optimiser updates); rng: the run's PRNG key (raw uint32[2], so it
+    checkpoints as a plain array); data_position: int32 position in the data stream;
+    sage: per-prompt SAGE arrays (a pytree; empty until SAGE adds them)."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+    data_position: jax.Array
+    sage: Any = flax.struct.field(default_factory=dict)
+
+
+def master_params(params, master_fp32: bool = True):
+    """`params` with floating leaves cast to float32 when `master_fp32` (else unchanged)."""
+    if not master_fp32:
+        return params
+    return jax.tree.map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def create_train_state(model: models.Decoder, tx, *, seed: int = 0,
+                       master_fp32: bool = True) -> tuple[Any, TrainState]:
+    """(graphdef, TrainState) for `model` and optax transform `tx`, at step 0 (unsharded).
+
+    `update.init_train_state` builds the same thing from a `Config`, placed on a mesh."""
+    graphdef, params = models.split(model)
+    params = master_params(params, master_fp32)
+    state = TrainState(
+        params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+        rng=jax.random.PRNGKey(seed), data_position=jnp.zeros((), jnp.int32))
+    return graphdef, state

@@ -1,0 +1,291 @@
+"""The GRPO update: AdamW, and a jitted, sharded `train_step(state, batch) -> (state, metrics)`.
+
+Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
+  tokens_NxL     int32  left-padded prompt, then the answer, then right padding
+  mask_NxL       bool   valid tokens (prompt and answer)
+  loss_mask_NxL  bool   answer tokens, end-of-sequence included: the tokens that get gradient
+  advantages_N   f32    one advantage per answer (`grpo.group_advantages`, flattened)
+  old_logp_NxL   f32    optional: log p_old(tokens[t] | <t) on loss-mask columns; recomputed
+                        from the state's params before the first update when absent
+  ref_logp_NxL   f32    optional: the frozen reference's log-probs; required when rl.kl_beta > 0
+
+One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates. Mini-batch j
+holds rows j*K .. j*K+K-1 of every block of M*K rows (M mini-batches of K micro-batches), i.e.
+rows are dealt out in stripes, so every device holds an equal share of every (micro-)batch
+without moving data; shuffle rows beforehand for random mini-batches. A mini-batch is split into
+micro-batches of `rl.micro_batch_size` rows (all devices together) whose gradients are summed;
+the loss denominators (answer tokens, or sequences for the seq-mean modes) are those of the whole
+mini-batch, so the result does not depend on the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sage_jax import grpo, models, parallel
+from sage_jax.state import TrainState, master_params
+
+REQUIRED = ("tokens_NxL", "mask_NxL", "loss_mask_NxL", "advantages_N")
+OPTIONAL = ("old_logp_NxL", "ref_logp_NxL")
+DEFAULT_CHUNK = 256  # Sequence columns per chunk of logits in the loss.
+
+
+def total_updates(cfg) -> int:
+    """Optimiser updates in a whole run: train.steps * rl.minibatches * rl.epochs_per_batch."""
+    return max(cfg.train.steps * cfg.rl.minibatches * cfg.rl.epochs_per_batch, 1)
+
+
+def make_schedule(optim_cfg, total_steps: int):
+    """Learning rate per optimiser update: linear warm-up from 0 over `warmup_steps`, then
+    constant, cosine or linear decay to 0 at `total_steps`."""
+    lr, warm = optim_cfg.lr, optim_cfg.warmup_steps
+    decay = max(total_steps - warm, 1)
+    main = {"constant": lambda: optax.constant_schedule(lr),
+            "cosine": lambda: optax.cosine_decay_schedule(lr, decay),
+            "linear": lambda: optax.linear_schedule(lr, 0.0, decay)}[optim_cfg.schedule]()
+    if not warm:
+        return main
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), main], [warm])
+
+
+def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
+    """clip_by_global_norm(grad_clip) (skipped when 0) then AdamW with the lr schedule."""
+    adamw = optax.adamw(make_schedule(optim_cfg, total_steps), b1=optim_cfg.b1, b2=optim_cfg.b2,
+                        eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
+    if not optim_cfg.grad_clip:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(optim_cfg.grad_clip), adamw)
+
+
+def init_train_state(model: models.Decoder, cfg, mesh) -> tuple:
+    """(graphdef, TrainState) for `model` at step 0, params and optimiser state placed on
+    `mesh` by the partition rules (rng from train.seed)."""
+    tx = make_optimizer(cfg.optim, total_updates(cfg))
+    graphdef, params = models.split(model)
+
+    def init(params):
+        params = master_params(params, cfg.model.master_fp32)
+        return TrainState(params=params, opt_state=tx.init(params),
+                          step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(cfg.train.seed),
+                          data_position=jnp.zeros((), jnp.int32))
+
+    shardings = parallel.tree_shardings(jax.eval_shape(init, params), mesh)
+    return graphdef, jax.jit(init, out_shardings=shardings)(params)
+
+
+def layout(n: int, rl) -> tuple[int, int, int]:
+    """(minibatches M, micro-batches per mini-batch K, rows per micro-batch R) for N rows."""
+    m = rl.minibatches
+    if n % m:
+        raise ValueError(f"batch has {n} rows, not divisible by rl.minibatches={m}")
+    r = rl.micro_batch_size or n // m
+    if (n // m) % r:
+        raise ValueError(f"rl.micro_batch_size={r} does not divide the {n // m} rows of a "
+                         f"mini-batch ({n} rows / rl.minibatches={m})")
+    return m, n // m // r, r
+
+
+def check_batch(batch: dict, cfg, mesh) -> None:
+    """Raises a ValueError naming the key if `batch` does not fit the layout above or the mesh."""
+    unknown = set(batch) - set(REQUIRED) - set(OPTIONAL)
+    if unknown:
+        raise ValueError(f"unknown batch keys {sorted(unknown)}; valid: {REQUIRED + OPTIONAL}")
+    for key in REQUIRED:
+        if key not in batch:
+            raise ValueError(f"batch is missing {key!r} (required: {REQUIRED})")
+    if cfg.rl.kl_beta > 0 and "ref_logp_NxL" not in batch:
+        raise ValueError(f"rl.kl_beta={cfg.rl.kl_beta} needs 'ref_logp_NxL' in the batch")
+    shape = tuple(batch["tokens_NxL"].shape)
+    if len(shape) != 2 or not jnp.issubdtype(batch["tokens_NxL"].dtype, jnp.integer):
+        raise ValueError(f"batch['tokens_NxL'] must be an integer [N, L] array, got "
+                         f"{batch['tokens_NxL'].dtype}{list(shape)}")
+    for key in ("mask_NxL", "loss_mask_NxL", "old_logp_NxL", "ref_logp_NxL"):
+        if key in batch and tuple(batch[key].shape) != shape:
+            raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, expected "
+                             f"{list(shape)} like tokens_NxL")
+    if tuple(batch["advantages_N"].shape) != shape[:1]:
+        raise ValueError(f"batch['advantages_N'] has shape {list(batch['advantages_N'].shape)}, "
+                         f"expected [{shape[0]}]")
+    parallel.check_rows(shape[0], mesh)
+    _, _, r = layout(shape[0], cfg.rl)
+    parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
+
+
+def _micro_loss(params, mb, denoms, *, graphdef, rl, chunk, remat, rows):
+    """(loss, metrics) of one micro-batch; losses and metrics add up over a mini-batch."""
+    tok_denom, seq_denom = denoms
+    loss_mask = mb["loss_mask_NxL"]
+    model = nnx.merge(graphdef, params)
+    h = jax.lax.with_sharding_constraint(model.hidden(mb["tokens_NxL"], mask_BxT=mb["mask_NxL"]),
+                                         rows)  # keep rows split (not D) for the logits
+    logp, ent = grpo.logprobs_from_hidden(model.logits, h, mb["tokens_NxL"], loss_mask,
+                                          chunk=chunk, remat=remat)
+    agg = dict(agg=rl.loss_agg, norm_len=rl.max_new_tokens,
+               denom=tok_denom if rl.loss_agg == "token-mean" else seq_denom)
+    pg, metrics = grpo.policy_loss(logp, mb["old_logp_NxL"], mb["advantages_N"], loss_mask,
+                                   clip_low=rl.clip_low, clip_high=rl.clip_high,
+                                   dual_clip=rl.dual_clip, token_denom=tok_denom, **agg)
+    loss = pg
+    if rl.kl_beta > 0:
+        kl = grpo.aggregate(grpo.kl_k3(logp, mb["ref_logp_NxL"]), loss_mask, **agg)
+        loss = loss + rl.kl_beta * kl
+        metrics["kl/ref"] = jax.lax.stop_gradient(kl)
+    metrics.update(loss=jax.lax.stop_gradient(loss), pg_loss=jax.lax.stop_gradient(pg),
+                   entropy=jnp.sum(jnp.where(loss_mask, ent, 0.0)) / tok_denom)
+    return loss, metrics
+
+
+def _prepare(params, batch, *, graphdef, rl, mesh, chunk):
+    """The batch split to [M, K, R, ...] (row r*M*K + j*K + i -> [j, i, r]), with old log-probs
+    (recomputed from `params` when absent), and per-mini-batch token and sequence counts."""
+    m, k, r = layout(batch["tokens_NxL"].shape[0], rl)
+    split_sh = NamedSharding(mesh, P(None, None, parallel.ROWS))
+
+    def split(x):
+        x = jnp.moveaxis(x.reshape(r, m, k, *x.shape[1:]), 0, 2)
+        return jax.lax.with_sharding_constraint(x, split_sh)
+
+    data = {key: split(v) for key, v in batch.items()}
+    data["mask_NxL"] = data["mask_NxL"].astype(bool)
+    data["loss_mask_NxL"] = data["loss_mask_NxL"].astype(bool) & data["mask_NxL"]
+    if "old_logp_NxL" not in data:
+        def old(mb):
+            return grpo.token_logprobs(graphdef, params, mb["tokens_NxL"], mb["mask_NxL"],
+                                       need_NxL=mb["loss_mask_NxL"], chunk=chunk)
+        flat = {key: data[key].reshape(m * k, *data[key].shape[2:])
+                for key in ("tokens_NxL", "mask_NxL", "loss_mask_NxL")}
+        logp = jax.lax.map(old, flat).reshape(data["mask_NxL"].shape)
+        data["old_logp_NxL"] = jax.lax.stop_gradient(
+            jax.lax.with_sharding_constraint(logp, split_sh))
+    lm = data["loss_mask_NxL"]
+    tokens_M = jnp.sum(lm, axis=(1, 2, 3)).astype(jnp.float32)
+    seqs_M = jnp.sum(jnp.any(lm, axis=3), axis=(1, 2)).astype(jnp.float32)
+    return data, tokens_M, seqs_M
+
+
+def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=True):
+    """(grads, metrics) of one mini-batch [K, R, ...]: micro-batch gradients summed in a scan,
+    each normalised by the whole mini-batch's token (or sequence) count."""
+    denoms = (jnp.maximum(tokens, 1.0), jnp.maximum(seqs, 1.0))
+    loss_fn = functools.partial(_micro_loss, graphdef=graphdef, rl=rl, chunk=chunk, remat=remat,
+                                rows=parallel.rows_sharding(mesh))
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    param_sh = parallel.tree_shardings(params, mesh)
+
+    def micro(acc, mb):
+        (_, metrics), g = grad_fn(params, mb, denoms)
+        g, metrics = jax.tree.map(jnp.add, acc, (g, metrics))
+        return (jax.lax.with_sharding_constraint(g, param_sh), metrics), None
+
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mini), denoms)
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
+    return jax.lax.scan(micro, zero, mini)[0]
+
+
+def minibatch_grads(params, batch, *, graphdef, cfg, mesh, chunk=DEFAULT_CHUNK, remat=True):
+    """(grads, metrics) of the whole `batch` taken as one mini-batch, accumulated over
+    micro-batches of `cfg.rl.micro_batch_size` rows (what one optimiser update uses)."""
+    rl = dataclasses.replace(cfg.rl, minibatches=1)
+    kw = dict(graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk)
+    data, tokens_M, seqs_M = _prepare(params, batch, **kw)
+    return _accumulate(params, jax.tree.map(lambda x: x[0], data), tokens_M[0], seqs_M[0],
+                       remat=remat, **kw)
+
+
+def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEFAULT_CHUNK,
+               remat_logits=True):
+    """(state, batch) -> (state', metrics): one GRPO training step (pure; jit it).
+
+    Metrics (means over the step's optimiser updates): loss, pg_loss, grad_norm (before
+    clipping), clip/frac_low, clip/frac_high, clip/frac_dual, kl/old_new, kl/ref (when
+    kl_beta > 0), entropy (mean over answer tokens); lr (of the last update); tokens (answer
+    tokens in the batch).
+    """
+    rl = cfg.rl
+    updates_per_step = rl.minibatches * rl.epochs_per_batch
+    total = total_updates(cfg)
+    tx, schedule = make_optimizer(cfg.optim, total), make_schedule(cfg.optim, total)
+    kw = dict(graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk)
+    data, tokens_M, seqs_M = _prepare(state.params, batch, **kw)
+
+    def update(carry, j):
+        params, opt_state, u = carry
+        mini = jax.tree.map(lambda x: x[j], data)  # [K, R, ...]
+        grads, metrics = _accumulate(params, mini, tokens_M[j], seqs_M[j], remat=remat_logits,
+                                     **kw)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["lr"] = jnp.asarray(schedule(state.step * updates_per_step + u), jnp.float32)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, u + 1), metrics
+
+    order = jnp.tile(jnp.arange(rl.minibatches), rl.epochs_per_batch)
+    (params, opt_state, _), metrics = jax.lax.scan(
+        update, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), order)
+    metrics = {key: (v[-1] if key == "lr" else jnp.mean(v)) for key, v in metrics.items()}
+    metrics["tokens"] = jnp.sum(tokens_M)
+    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+class TrainStep:
+    """`step(state, batch) -> (state, metrics)`: checks the batch (clear errors before any
+    compile), then runs `train_step` jitted with the state's partition-rule shardings, rows over
+    ("data", "fsdp"), metrics replicated, and the state donated."""
+
+    def __init__(self, graphdef, cfg, mesh, *, chunk: int | None = DEFAULT_CHUNK,
+                 remat_logits: bool = True):
+        self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
+        self.chunk, self.remat_logits = chunk, remat_logits
+        self._jitted = {}
+
+    def jitted(self, state):
+        """The jitted function for states shaped like `state` (for `.lower(...)` etc.)."""
+        key = jax.tree.structure(state)
+        if key not in self._jitted:
+            fn = functools.partial(train_step, graphdef=self.graphdef, cfg=self.cfg,
+                                   mesh=self.mesh, chunk=self.chunk,
+                                   remat_logits=self.remat_logits)
+            sh = parallel.tree_shardings(state, self.mesh)
+            self._jitted[key] = jax.jit(
+                fn, in_shardings=(sh, parallel.rows_sharding(self.mesh)),
+                out_shardings=(sh, parallel.replicated(self.mesh)), donate_argnums=(0,))
+        return self._jitted[key]
+
+    def __call__(self, state: TrainState, batch: dict):
+        check_batch(batch, self.cfg, self.mesh)
+        return self.jitted(state)(state, batch)
+
+
+def make_train_step(graphdef, cfg, mesh, *, chunk: int | None = DEFAULT_CHUNK,
+                    remat_logits: bool = True) -> TrainStep:
+    """The jitted, sharded, state-donating train step for `cfg` on `mesh`.
+
+    chunk: sequence columns per chunk of logits (None = all at once); remat_logits: recompute
+    each chunk's logits in the backward pass (memory [R, C, V] instead of [R, L, V] floats for
+    R rows per micro-batch)."""
+    return TrainStep(graphdef, cfg, mesh, chunk=chunk, remat_logits=remat_logits)
+
+
+def make_logprob_fn(graphdef, mesh, *, micro_batch_size: int | None = None,
+                    chunk: int | None = DEFAULT_CHUNK):
+    """jitted (params, tokens_NxL, mask_NxL, need_NxL) -> logp_NxL, rows over ("data", "fsdp"),
+    `micro_batch_size` rows at a time: old log-probs, or a frozen reference's log-probs."""
+    rows = parallel.rows_sharding(mesh)
+
+    def fn(params, tokens_NxL, mask_NxL, need_NxL):
+        n = tokens_NxL.shape[0]
+        r = micro_batch_size or n
+        split = lambda x: jnp.moveaxis(x.reshape(r, n // r, *x.shape[1:]), 0, 1)  # noqa: E731
+        out = jax.lax.map(lambda a: grpo.token_logprobs(graphdef, params, a[0], a[1],
+                                                        need_NxL=a[2], chunk=chunk),
+                          (split(tokens_NxL), split(mask_NxL.astype(bool)),
+                           split(need_NxL.astype(bool))))
+        return jnp.moveaxis(out, 0, 1).reshape(tokens_NxL.shape)
+
+    return jax.jit(fn, in_shardings=(None, rows, rows, rows), out_shardings=rows)

@@ -1,0 +1,241 @@
+"""The update step: optimiser, mesh and partition rules, batch checks, micro-batch and sharding
+invariance, the reference KL, and learning on a tiny random model (8 fake CPU devices)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from sage_jax import grpo, models, parallel, update
+from sage_jax.config import Config, MeshConfig, OptimConfig, RLConfig, TrainConfig
+from sage_jax.state import TrainState
+
+MODEL = models.ModelConfig(family="qwen2", vocab_size=48, hidden_size=32, intermediate_size=64,
+                           num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
+PROMPT, ANSWER = 5, 6
+
+
+def make_cfg(prompts=4, group=4, lr=1e-3, optim=None, **rl):
+    rl = dict(dict(method="grpo", prompts_per_step=prompts, group_size=group,
+                   max_new_tokens=ANSWER, minibatches=1), **rl)
+    return Config(rl=RLConfig(**rl), optim=optim or OptimConfig(lr=lr),
+                  train=TrainConfig(steps=10))
+
+
+def make_batch(n=16, seed=0):
+    """Left-padded prompts of 2..5 tokens, answers of 1..6 tokens, group advantages."""
+    rng = np.random.default_rng(seed)
+    col = np.arange(PROMPT + ANSWER)
+    plen = rng.integers(2, PROMPT + 1, n)
+    alen = rng.integers(1, ANSWER + 1, n)
+    mask = (col[None] >= PROMPT - plen[:, None]) & (col[None] < PROMPT + alen[:, None])
+    tokens = np.where(mask, rng.integers(1, MODEL.vocab_size, mask.shape), 0).astype(np.int32)
+    rewards = rng.integers(0, 2, (n // 4, 4)).astype(np.float32)
+    return dict(tokens_NxL=tokens, mask_NxL=mask, loss_mask_NxL=mask & (col[None] >= PROMPT),
+                advantages_N=np.asarray(grpo.group_advantages(rewards)).reshape(-1))
+
+
+def one_device_mesh():
+    return parallel.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+
+
+def init(cfg, mesh, seed=0):
+    return update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(seed)), cfg, mesh)
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# ---------------------------------------------------------------------------------- optimiser
+
+def test_schedules():
+    total, lr = 10, 1.0
+    s = update.make_schedule(OptimConfig(lr=lr, warmup_steps=2), total)
+    np.testing.assert_allclose([s(i) for i in (0, 1, 2, 9)], [0, 0.5, 1, 1], atol=1e-6)
+    s = update.make_schedule(OptimConfig(lr=lr, warmup_steps=2, schedule="cosine"), total)
+    np.testing.assert_allclose([s(2), s(6), s(10)], [1, 0.5, 0], atol=1e-6)
+    s = update.make_schedule(OptimConfig(lr=lr, schedule="linear"), total)
+    np.testing.assert_allclose([s(0), s(5), s(10)], [1, 0.5, 0], atol=1e-6)
+
+
+def test_adamw_first_step_and_clip():
+    p, g = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, -4.0])}  # |g| = 5
+    tx = update.make_optimizer(OptimConfig(lr=0.1, weight_decay=0.5), 10)
+    # First Adam step is lr * sign(g); decoupled weight decay adds lr * wd * p.
+    np.testing.assert_allclose(tx.update(g, tx.init(p), p)[0]["w"], [-0.1 - 0.05, 0.1 - 0.1],
+                               atol=1e-6)
+    # With a huge Adam eps the step is ~ lr * g / eps, so clipping to norm 1 shows.
+    for clip, want in ((1.0, [0.6, -0.8]), (0.0, [3.0, -4.0])):
+        tx = update.make_optimizer(OptimConfig(lr=0.1, weight_decay=0, eps=1e4, grad_clip=clip), 10)
+        np.testing.assert_allclose(tx.update(g, tx.init(p), p)[0]["w"],
+                                   -0.1 * np.array(want) / 1e4, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------- mesh, rules
+
+def test_make_mesh_fills_and_checks():
+    assert dict(parallel.make_mesh(MeshConfig(-1, 2, 1)).shape) == dict(data=4, fsdp=2, tensor=1)
+    assert dict(parallel.make_mesh(MeshConfig(1, -1, 2)).shape) == dict(data=1, fsdp=4, tensor=2)
+    with pytest.raises(ValueError, match="product is 8"):
+        parallel.make_mesh(MeshConfig(3, 1, 1))
+    with pytest.raises(ValueError, match="do not divide the 8 devices"):
+        parallel.make_mesh(MeshConfig(-1, 3, 1))
+
+
+def test_partition_rules():
+    mesh = parallel.make_mesh(MeshConfig(1, 4, 2))
+    graphdef, state = init(make_cfg(), mesh)
+    specs = {parallel.path_str(p): s.spec for p, s in jax.tree_util.tree_flatten_with_path(
+        parallel.tree_shardings(state, mesh))[0]}
+    layer = "params/layers/0/"
+    assert specs["params/embed_tokens"] == P("tensor", "fsdp")
+    assert specs["params/lm_head/kernel"] == P("fsdp", "tensor")
+    assert specs[layer + "self_attn/q_proj/kernel"] == P("fsdp", "tensor")
+    assert specs[layer + "self_attn/k_proj/bias"] == P("tensor")
+    assert specs[layer + "self_attn/o_proj/kernel"] == P("tensor", "fsdp")
+    assert specs[layer + "mlp/down_proj/kernel"] == P("tensor", "fsdp")
+    assert specs[layer + "input_layernorm/weight"] == P()
+    assert specs["step"] == P()
+    # Adam moments follow their parameters.
+    mu = [s for k, s in specs.items() if k.startswith("opt_state") and
+          k.endswith("mu/layers/0/mlp/gate_proj/kernel")]
+    assert mu == [P("fsdp", "tensor")]
+    # The live arrays are placed that way, and a dimension an axis can't split stays whole.
+    q = state.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert q.sharding.spec == P("fsdp", "tensor")
+    assert parallel.spec_for("lm_head/kernel", (32, 51), mesh) == P("fsdp", None)
+
+
+# ---------------------------------------------------------------------------------- batch checks
+
+def test_bad_batches_fail_before_compiling():
+    mesh = parallel.make_mesh(MeshConfig(-1, 1, 1))
+    cfg = make_cfg()
+    step = update.make_train_step(None, cfg, mesh)  # never compiled: every call must fail first
+    good = make_batch(16)
+    with pytest.raises(ValueError, match="12 rows.*data=8 x fsdp=1"):
+        step(None, make_batch(12))
+    with pytest.raises(ValueError, match="missing 'advantages_N'"):
+        step(None, {k: v for k, v in good.items() if k != "advantages_N"})
+    with pytest.raises(ValueError, match="unknown batch keys.*'rewards'"):
+        step(None, dict(good, rewards=good["advantages_N"]))
+    with pytest.raises(ValueError, match="loss_mask_NxL.*shape"):
+        step(None, dict(good, loss_mask_NxL=good["loss_mask_NxL"][:, 1:]))
+    with pytest.raises(ValueError, match="ref_logp_NxL"):
+        update.make_train_step(None, make_cfg(kl_beta=0.1), mesh)(None, good)
+    with pytest.raises(ValueError, match="micro-batch.*4 rows.*divisible by 8"):
+        update.make_train_step(None, make_cfg(micro_batch_size=4), mesh)(None, good)
+    with pytest.raises(ValueError, match="micro_batch_size=3"):
+        update.check_batch(good, make_cfg(prompts=3, micro_batch_size=3), one_device_mesh())
+
+
+# ---------------------------------------------------------------------------------- invariances
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batching_gives_the_same_gradient_and_params(agg):
+    mesh = one_device_mesh()
+    batch = make_batch(16, seed=1)
+    counts = batch["loss_mask_NxL"].reshape(4, 4, -1).sum(axis=(0, 2))
+    assert len(set(counts.tolist())) > 1  # micro-batches differ in answer tokens
+    grads, params, metrics = {}, {}, {}
+    ks = (1, 2, 4) if agg == "token-mean" else (1, 4)
+    for k in ks:
+        cfg = make_cfg(micro_batch_size=16 // k, loss_agg=agg)
+        graphdef, state = init(cfg, mesh)
+        fn = jax.jit(lambda p, b: update.minibatch_grads(p, b, graphdef=graphdef, cfg=cfg,
+                                                         mesh=mesh))
+        grads[k] = fn(state.params, batch)[0]
+        if agg == "token-mean":
+            state, m = update.make_train_step(graphdef, cfg, mesh)(state, batch)
+            params[k], metrics[k] = state.params, m
+    for k in ks[1:]:
+        assert max_diff(grads[k], grads[1]) < 1e-6, k
+        if agg == "token-mean":  # Adam's first step amplifies float noise of gradients near 0
+            assert max_diff(params[k], params[1]) < 1e-5, k
+            for key in ("loss", "grad_norm", "entropy", "kl/old_new"):
+                np.testing.assert_allclose(metrics[k][key], metrics[1][key], rtol=1e-5)
+
+
+def test_sharded_update_equals_one_device(capsys):
+    """Two updates (2 mini-batches x 2 micro-batches) on 5 meshes: same params to 1e-5."""
+    cfg = make_cfg(prompts=8, minibatches=2, micro_batch_size=8, lr=1e-3)
+    batch = make_batch(32, seed=2)
+    out = {}
+    for shape in [(1, 1, 1), (8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2)]:
+        devices = jax.devices()[:1] if shape == (1, 1, 1) else None
+        mesh = parallel.make_mesh(MeshConfig(*shape), devices)
+        graphdef, state = init(cfg, mesh)
+        state, metrics = update.make_train_step(graphdef, cfg, mesh)(
+            state, parallel.shard_batch(batch, mesh))
+        out[shape] = (jax.tree.map(np.asarray, state.params), metrics)
+    base_params, base_metrics = out[(1, 1, 1)]
+    for shape, (params, metrics) in out.items():
+        diff = max_diff(params, base_params)
+        with capsys.disabled():
+            print(f"\nmesh {shape}: max |param diff| vs 1 device = {diff:.2e}", end="")
+        assert diff < 1e-5, shape
+        np.testing.assert_allclose(metrics["loss"], base_metrics["loss"], rtol=1e-5, atol=1e-7)
+    assert max_diff(base_params, init(cfg, one_device_mesh())[1].params) > 1e-4  # it moved
+
+
+# ---------------------------------------------------------------------------------- behaviour
+
+def test_learning_moves_logprobs_by_advantage_sign():
+    """Repeated steps on one group: the +A answer gains log-prob, the -A answer loses it."""
+    mesh = one_device_mesh()
+    cfg = make_cfg(prompts=1, group=2, lr=3e-3)
+    batch = {k: v[:2] for k, v in make_batch(16, seed=3).items()}
+    batch["advantages_N"] = np.asarray(grpo.group_advantages(np.array([[1.0, 0.0]])))[0]
+    graphdef, state = init(cfg, mesh)
+    logprobs = update.make_logprob_fn(graphdef, mesh)
+
+    def answer_logp(params):
+        lp = logprobs(params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])
+        return np.asarray(lp).sum(axis=1)
+
+    before = answer_logp(state.params)
+    step = update.make_train_step(graphdef, cfg, mesh)
+    for _ in range(5):
+        state, metrics = step(state, batch)
+    after = answer_logp(state.params)
+    assert after[0] > before[0] + 0.1 and after[1] < before[1] - 0.1, (before, after)
+    assert int(state.step) == 5 and int(state.data_position) == 0 and state.sage == {}
+    assert isinstance(state, TrainState) and np.isfinite(float(metrics["loss"]))
+
+
+def test_given_old_logprobs_equal_recomputed():
+    mesh = one_device_mesh()
+    cfg = make_cfg(micro_batch_size=8)
+    batch = make_batch(16, seed=4)
+    graphdef, state = init(cfg, mesh)
+    old = update.make_logprob_fn(graphdef, mesh, micro_batch_size=4)(
+        state.params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])
+    step = update.make_train_step(graphdef, cfg, mesh)
+    s1, m1 = step(init(cfg, mesh)[1], batch)
+    s2, m2 = step(state, dict(batch, old_logp_NxL=old))
+    assert max_diff(s1.params, s2.params) < 1e-6
+    assert float(m1["kl/old_new"]) == pytest.approx(float(m2["kl/old_new"]), abs=1e-7)
+
+
+def test_reference_kl_and_epochs():
+    """kl_beta > 0: loss = pg_loss + beta * kl/ref; 2 epochs = 2 updates (lr from warm-up)."""
+    mesh = one_device_mesh()
+    cfg = make_cfg(kl_beta=0.5, epochs_per_batch=2, optim=OptimConfig(lr=1e-3, warmup_steps=4))
+    batch = make_batch(16, seed=5)
+    graphdef, state = init(cfg, mesh)
+    logp = update.make_logprob_fn(graphdef, mesh)(
+        state.params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])
+    ref = np.where(batch["loss_mask_NxL"], np.asarray(logp) - 0.3, 0.0).astype(np.float32)
+    state, m = update.make_train_step(graphdef, cfg, mesh)(state, dict(batch, ref_logp_NxL=ref))
+    kl = math.exp(-0.3) + 0.3 - 1  # k3 at the first update, where logp = old logp
+    assert float(m["kl/ref"]) == pytest.approx(kl, rel=0.05)
+    assert float(m["loss"]) == pytest.approx(float(m["pg_loss"]) + 0.5 * float(m["kl/ref"]),
+                                              rel=1e-5, abs=1e-7)
+    assert float(m["lr"]) == pytest.approx(1e-3 * 1 / 4)  # the 2nd update of a 4-step warm-up
+    assert int(m["tokens"]) == int(batch["loss_mask_NxL"].sum())
