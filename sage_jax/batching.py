@@ -1,0 +1,75 @@
+"""From token lists to arrays: left-padded prompts, the policy sampler adapter, the train batch.
+
+Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), P prompt columns
+(a `sampling.prompt_bucket` size), T answer columns (rl.max_new_tokens), L = P + T.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from sage_jax import grpo, sampling
+from sage_jax.rollout import Rollout, Samples
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
+    """(tokens_BxP int32, mask_BxP bool) with each prompt right-aligned in `length` columns."""
+    tok = np.full((len(prompts), length), pad_id, np.int32)
+    mask = np.zeros((len(prompts), length), bool)
+    for i, p in enumerate(prompts):
+        if not 0 < len(p) <= length:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; must be 1..{length}")
+        tok[i, length - len(p):] = p
+        mask[i, length - len(p):] = True
+    return tok, mask
+
+
+class PolicySampler:
+    """The rollout's `GroupSampler` on the current policy: keys fold in (step, salt)."""
+
+    def __init__(self, graphdef, params, *, key, step: int, eos_ids, pad_id: int):
+        self.graphdef, self.params = graphdef, params
+        self.key = jax.random.fold_in(key, step)
+        self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
+        self.generated_tokens = 0
+
+    def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, temperature,
+                 top_p, top_k) -> Samples:
+        length = sampling.prompt_bucket(max(len(p) for p in prompts))
+        tok, mask = left_pad(prompts, length, self.pad_id)
+        out = sampling.sample(
+            self.graphdef, self.params, tok, mask, key=jax.random.fold_in(self.key, salt),
+            num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, eos_ids=self.eos_ids,
+            prompt_ids_B=np.asarray(prompt_ids, np.int32), pad_id=self.pad_id)
+        out = jax.device_get(out)
+        self.generated_tokens += int(np.sum(out.lengths))
+        return Samples(np.array(out.tokens), np.array(out.lengths), np.array(out.logprobs))
+
+
+def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "group",
+                pad_id: int = 0) -> dict[str, np.ndarray]:
+    """The update's batch (see `update.py`) from a rollout, rows prompt-major.
+
+    `loss_context`: "hinted" trains on log pi(answer | prompt + hint) for hinted groups (the
+    published setting); "plain" on log pi(answer | bare prompt) (the off-policy ablation).
+    """
+    if loss_context not in ("hinted", "plain"):
+        raise ValueError(f"loss_context must be 'hinted' or 'plain', got {loss_context!r}")
+    prompts = ro.prompts if loss_context == "hinted" else ro.plain_prompts
+    tokens_BxGxT, lengths_BxG = ro.samples.tokens, ro.samples.lengths
+    b, g, t = tokens_BxGxT.shape
+    p = sampling.prompt_bucket(max(len(x) for x in prompts))
+    ptok, pmask = left_pad(prompts, p, pad_id)
+    answer_mask = np.arange(t)[None, None, :] < lengths_BxG[:, :, None]
+    tokens = np.concatenate([np.repeat(ptok[:, None], g, 1), tokens_BxGxT], axis=-1)
+    mask = np.concatenate([np.repeat(pmask[:, None], g, 1), answer_mask], axis=-1)
+    loss_mask = np.concatenate([np.zeros((b, g, p), bool), answer_mask], axis=-1)
+    adv = np.asarray(grpo.group_advantages(ro.rewards, scale=adv_scale), np.float32)
+    return {"tokens_NxL": tokens.reshape(b * g, p + t).astype(np.int32),
+            "mask_NxL": mask.reshape(b * g, p + t),
+            "loss_mask_NxL": loss_mask.reshape(b * g, p + t),
+            "advantages_N": adv.reshape(b * g)}
