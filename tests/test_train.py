@@ -100,3 +100,26 @@ def test_cli_unknown_key_names_the_closest(capsys):
         train.main(["rl.grup_size=4"])
     assert e.value.code == 2
     assert "rl.group_size" in capsys.readouterr().err
+
+
+def test_sage_resamples_hinted_groups_with_the_real_sampler(tmp_path):
+    """Dataset-column hints (hint.source=column): the escalation runs on the real model."""
+    from sage_jax.tasks import toy
+    rows = [{"problem": p.text, "answer": p.answer, "solution": p.solution,
+             "hint": toy.hint_payload(toy.reference_hints(p))}
+            for p in toy.make_problems(16, toy.ToySpec(4, 6), seed=3)]
+    data = tmp_path / "toy_hints.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    train.train(cfg("rl.method=sage", "train.steps=1", "hint.source=column",
+                    f"data.train_files=[{data}]", "data.hint_key=hint"), run)
+    (m,) = read_metrics(run / "metrics.jsonl")
+    unresolved = round(m["collapse/frac_all_zero"] * 4)  # 4 prompts per step
+    assert m["hint/prompts_needing_hint"] == unresolved
+    assert m["hint/used_level_1"] == unresolved  # every unresolved prompt got a hinted group
+    assert m["hint/used_level_3"] <= m["hint/used_level_2"] <= m["hint/used_level_1"]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    hinted = [s for s in samples if s["level"] > 0]
+    assert len(hinted) == unresolved  # all 4 prompts are logged
+    for s in hinted:  # a hinted group trains on the hinted context
+        assert s["hint"] and s["hint"] in s["prompt"]
