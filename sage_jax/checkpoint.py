@@ -192,7 +192,8 @@ class Checkpointer:
     def __init__(self, workdir: str | Path, *, keep: int, async_save: bool = False):
         if keep < 1:
             raise ValueError(f"Checkpointer(keep={keep}): keep must be >= 1")
-        self.directory = Path(workdir) / "checkpoints"
+        # orbax needs an absolute path (a relative workdir such as runs/x fails at save time).
+        self.directory = Path(workdir).absolute() / "checkpoints"
         self.keep = keep
         self.async_save = async_save
         # Count a step as committed only when its commit marker exists (orbax writes the marker

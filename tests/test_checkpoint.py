@@ -254,3 +254,13 @@ def test_bad_inputs(tmp_path):
             ck.save(1, {"a": jnp.zeros(1)}, extra={"x": object()})
     with pytest.raises(ValueError, match="keep"):
         Checkpointer(tmp_path, keep=0)
+
+
+def test_relative_workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = {"w": np.arange(4, dtype=np.float32)}
+    with Checkpointer("runs/rel", keep=1) as ckpt:
+        ckpt.save(1, state)
+        restored, _ = ckpt.restore(target=state)
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert (tmp_path / "runs" / "rel" / "checkpoints" / "1").is_dir()
