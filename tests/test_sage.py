@@ -253,3 +253,26 @@ def test_hint_cache_round_trip():
     assert sage.decode_hint(row) == "héllo "  # cut at a character boundary
     assert sage.decode_hint(sage.encode_hint("abc", 16)) == "abc"
     assert sage.decode_hint(sage.encode_hint(None, 4)) is None
+
+
+def test_hinted_vs_plain_loss_context_differs_exactly_by_the_hint_tokens():
+    from sage_jax import batching
+    ex = make_examples([0, 2])
+    out, _, _ = run("sage", ex)
+    hinted = batching.train_batch(out, loss_context="hinted")
+    plain = batching.train_batch(out, loss_context="plain")
+    for key in ("advantages_N",):
+        np.testing.assert_array_equal(hinted[key], plain[key])
+    for row in range(2 * G):
+        b = row // G
+        def parts(batch):
+            tok, mask, loss = (batch[k][row] for k in ("tokens_NxL", "mask_NxL", "loss_mask_NxL"))
+            return tok[mask & ~loss].tolist(), tok[loss].tolist()
+        (hp, ha), (pp, pa) = parts(hinted), parts(plain)
+        assert ha == pa  # the same answer tokens get the loss
+        assert pp == out.plain_prompts[b]
+        if out.level[b]:  # hinted context = bare prompt + the hint's tokens, nothing else
+            assert hp == out.prompts[b] and hp[:len(pp)] == pp
+            assert "".join(map(chr, hp[len(pp):])) == "|H:" + out.hints[b]
+        else:
+            assert hp == pp
