@@ -5,7 +5,12 @@ num_prompts * samples_per_prompt rows of prompt_len + max_new_tokens tokens, one
 (minibatches=1), old log-probs given (computed once beforehand, not timed). Uses the peers'
 prompts, quiet-machine wait, warm-up and median timing (`_common.time_calls`) and JSON schema
 (`_common.emit`, peer "sage_jax-update"); tokens_per_s counts prompt + answer tokens, as the
-tunix GRPO-step peer does. Also reports the step's model FLOP/s next to a plain matmul's.
+tunix GRPO-step peer does. Also reports the step's model FLOP/s next to a plain matmul's, and
+tokens/s per core this process got (`cpu_during_timed.own_cores`), for contended machines.
+
+Settings (environment): SAGE_JAX_BENCH_MICRO rows per micro-batch (16), SAGE_JAX_BENCH_CHUNK
+sequence columns per logits chunk (64), SAGE_JAX_BENCH_REMAT_LOGITS recompute chunk logits in the
+backward pass (1, the library default).
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ import numpy as np
 from sage_jax import config as config_lib, parallel, update
 from sage_jax.bench import common
 
-MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "32"))  # rows per micro-batch
+MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch
 CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
-REMAT = os.environ.get("SAGE_JAX_BENCH_REMAT_LOGITS", "0") == "1"  # recompute chunk logits
+REMAT = os.environ.get("SAGE_JAX_BENCH_REMAT_LOGITS", "1") == "1"  # recompute chunk logits
 
 
 def model_flops(w: dict, rows: int, seq: int) -> float:
@@ -100,6 +105,8 @@ def run(args) -> None:
         "devices": len(jax.devices()), "model_flops_per_step": flops,
         "model_flops_per_s": round(flops / med, 1), "matmul_flops_per_s": round(mm, 1),
         "model_flops_vs_matmul": round(flops / med / mm, 3),
+        "tokens_per_s_per_own_core": round(
+            rows * seq / med / max(pc.LAST_CPU.get("own_cores") or 1.0, 0.01), 1),
         "losses": [round(x, 6) for x in losses],
         "versions": {"jax": jax.__version__},
     }
