@@ -72,4 +72,6 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
     return {"tokens_NxL": tokens.reshape(b * g, p + t).astype(np.int32),
             "mask_NxL": mask.reshape(b * g, p + t),
             "loss_mask_NxL": loss_mask.reshape(b * g, p + t),
-            "advantages_N": adv.reshape(b * g)}
+            "advantages_N": adv.reshape(b * g),
+            "level_N": np.repeat(ro.level, g).astype(np.int8),
+            "collapse_N": np.repeat(ro.collapse, g).astype(np.int8)}

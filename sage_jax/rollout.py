@@ -97,6 +97,9 @@ class SageTables:
         self.hint_step[i] = step
 
 
+COLLAPSE_MIXED, COLLAPSE_ALL_ZERO, COLLAPSE_ALL_ONE = 0, 1, 2  # codes of `Rollout.collapse`
+
+
 @dataclasses.dataclass
 class Rollout:
     """One step's groups. `prompts[b]` is the context the answers were sampled with."""
@@ -106,6 +109,7 @@ class Rollout:
     samples: Samples
     rewards: np.ndarray  # float32 [B, G]
     level: np.ndarray  # int8 [B]: hint level of the group (0: no hint)
+    collapse: np.ndarray  # int8 [B]: first-pass status, COLLAPSE_MIXED / _ALL_ZERO / _ALL_ONE
     round: np.ndarray  # int8 [B]: 0 first pass, k = k-th re-sample
     hints: list[str | None]
     texts: list[list[str]]  # decoded answers [B][G]
@@ -257,6 +261,8 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
     metrics["collapse/frac_all_zero"] = float(st["all_zero"].mean())
     metrics["collapse/frac_all_one"] = float(st["all_one"].mean())
     resolved = st["resolved"].copy()
+    collapse = np.where(st["all_zero"], COLLAPSE_ALL_ZERO,
+                        np.where(st["all_one"], COLLAPSE_ALL_ONE, COLLAPSE_MIXED)).astype(np.int8)
 
     if s.method in ("sage", "resample"):
         unresolved = [i for i in rows if not resolved[i]]
@@ -312,4 +318,5 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
     metrics["time/hint_s"] = t_hint
     metrics["time/resample_s"] = t_resample
     return Rollout(prompts=prompts, plain_prompts=plain, samples=samples, rewards=rewards,
-                   level=level, round=rnd, hints=hints, texts=texts, metrics=metrics)
+                   level=level, collapse=collapse, round=rnd, hints=hints, texts=texts,
+                   metrics=metrics)

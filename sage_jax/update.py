@@ -8,6 +8,9 @@ Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
   old_logp_NxL   f32    optional: log p_old(tokens[t] | <t) on loss-mask columns; recomputed
                         from the state's params before the first update when absent
   ref_logp_NxL   f32    optional: the frozen reference's log-probs; required when rl.kl_beta > 0
+  level_N        int8   optional: the hint level of the row's group (0: no hint)
+  collapse_N     int8   optional: the group's first-pass status (`rollout.COLLAPSE_*` codes:
+                        0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
 One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates. Mini-batch j
 holds rows j*K .. j*K+K-1 of every block of M*K rows (M mini-batches of K micro-batches), i.e.
@@ -33,7 +36,7 @@ from sage_jax import grpo, models, parallel
 from sage_jax.state import TrainState, master_params
 
 REQUIRED = ("tokens_NxL", "mask_NxL", "loss_mask_NxL", "advantages_N")
-OPTIONAL = ("old_logp_NxL", "ref_logp_NxL")
+OPTIONAL = ("old_logp_NxL", "ref_logp_NxL", "level_N", "collapse_N")
 DEFAULT_CHUNK = 256  # Sequence columns per chunk of logits in the loss.
 
 
@@ -110,9 +113,10 @@ def check_batch(batch: dict, cfg, mesh) -> None:
         if key in batch and tuple(batch[key].shape) != shape:
             raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, expected "
                              f"{list(shape)} like tokens_NxL")
-    if tuple(batch["advantages_N"].shape) != shape[:1]:
-        raise ValueError(f"batch['advantages_N'] has shape {list(batch['advantages_N'].shape)}, "
-                         f"expected [{shape[0]}]")
+    for key in ("advantages_N", "level_N", "collapse_N"):
+        if key in batch and tuple(batch[key].shape) != shape[:1]:
+            raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, "
+                             f"expected [{shape[0]}]")
     parallel.check_rows(shape[0], mesh)
     _, _, r = layout(shape[0], cfg.rl)
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
@@ -206,7 +210,10 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
     Metrics (means over the step's optimiser updates): loss, pg_loss, grad_norm (before
     clipping), clip/frac_low, clip/frac_high, clip/frac_dual, kl/old_new, kl/ref (when
     kl_beta > 0), entropy (mean over answer tokens); lr (of the last update); tokens (answer
-    tokens in the batch).
+    tokens in the batch); with `level_N` / `collapse_N` in the batch, the shares of answer
+    tokens from hinted groups (batch/hinted_token_frac) and from groups that collapsed to all
+    zero before hints (batch/rescued_token_frac: the tokens SAGE's re-sampling brought back
+    into the gradient), and the mean |advantage| over those rows (batch/hinted_abs_adv).
     """
     rl = cfg.rl
     updates_per_step = rl.minibatches * rl.epochs_per_batch
@@ -230,7 +237,26 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
         update, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), order)
     metrics = {key: (v[-1] if key == "lr" else jnp.mean(v)) for key, v in metrics.items()}
     metrics["tokens"] = jnp.sum(tokens_M)
+    metrics.update(_sage_metrics(batch))
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def _sage_metrics(batch: dict) -> dict:
+    """Token shares of hinted / once-collapsed rows, from the batch's per-row SAGE arrays."""
+    out = {}
+    tokens_N = jnp.sum(batch["loss_mask_NxL"].astype(bool) & batch["mask_NxL"].astype(bool),
+                       axis=1).astype(jnp.float32)
+    total = jnp.maximum(jnp.sum(tokens_N), 1.0)
+    if "level_N" in batch:
+        hinted = batch["level_N"] > 0
+        out["batch/hinted_token_frac"] = jnp.sum(jnp.where(hinted, tokens_N, 0.0)) / total
+        abs_adv = jnp.where(hinted, jnp.abs(batch["advantages_N"]), 0.0)
+        out["batch/hinted_abs_adv"] = jnp.sum(abs_adv) / jnp.maximum(jnp.sum(hinted), 1)
+    if "collapse_N" in batch:
+        zero = batch["collapse_N"] == 1
+        out["batch/rescued_token_frac"] = jnp.sum(
+            jnp.where(zero & (batch["advantages_N"] != 0), tokens_N, 0.0)) / total
+    return out
 
 
 class TrainStep:

@@ -94,6 +94,9 @@ def test_sage_escalates_only_unresolved_prompts_and_replaces_whole_groups():
     np.testing.assert_array_equal(out.level, [0, 1, 2, 3, 3])
     np.testing.assert_array_equal(out.round, [0, 1, 2, 3, 3])
     np.testing.assert_array_equal(out.rewards.max(1), [1, 1, 1, 1, 0])
+    # The collapse mask is the first pass's: prompt 0 all right, the others all wrong.
+    np.testing.assert_array_equal(out.collapse, [rollout.COLLAPSE_ALL_ONE]
+                                  + [rollout.COLLAPSE_ALL_ZERO] * 4)
     # Every answer of a group comes from the same context (never mixed).
     for b in range(5):
         assert len({t.split("@")[1] for t in out.texts[b]}) == 1
@@ -261,8 +264,11 @@ def test_hinted_vs_plain_loss_context_differs_exactly_by_the_hint_tokens():
     out, _, _ = run("sage", ex)
     hinted = batching.train_batch(out, loss_context="hinted")
     plain = batching.train_batch(out, loss_context="plain")
-    for key in ("advantages_N",):
+    for key in ("advantages_N", "level_N", "collapse_N"):
         np.testing.assert_array_equal(hinted[key], plain[key])
+    # The per-prompt level and collapse mask reach the update batch, one entry per row.
+    np.testing.assert_array_equal(hinted["level_N"], np.repeat(out.level, G))
+    np.testing.assert_array_equal(hinted["collapse_N"], np.repeat(out.collapse, G))
     for row in range(2 * G):
         b = row // G
         def parts(batch):
