@@ -45,12 +45,21 @@ def test_generator_is_exact_and_deterministic():
     assert {p.k for p in probs} == set(range(1, toy.MAX_STEPS + 1))
     for p in probs:
         v = p.start
-        assert len(p.ops) == p.k and all(p.ops[j] == p.pair[j % 2] for j in range(p.k))
+        assert len(p.ops) == p.k and p.ops[:2] == p.pair[:p.k]
+        for j in range(2, p.k):  # same operator as two steps back, operand one up (wrapping)
+            (op, x), (op0, x0) = p.ops[j], p.ops[j - 2]
+            r = toy.OPERANDS[op]
+            assert op == op0 and r.index(x) == (r.index(x0) + 1) % len(r)
         for op, x in p.ops:
-            v = {"+": v + x, "-": v - x, "*": v * x}[op] % 100
+            tens, units = divmod(v, 10)
+            f = {"+": lambda d: d + x, "-": lambda d: d - x, "*": lambda d: d * x}[op]
+            v = f(tens) % 10 * 10 + f(units) % 10
             assert x in toy.OPERANDS[op]
         assert p.answer == str(v % toy.MOD).zfill(toy.WIDTH)
         assert toy.ToyProblem.parse(p.text) == p
+        assert p.values()[-1] not in p.values()[:-1]  # no intermediate value is the answer
+        for v in (p.start, *p.values()):  # operations permute digits: the two never merge
+            assert v // 10 != v % 10
         assert p.solution.endswith(";A:" + p.answer)
         assert len(p.steps()) == p.k
 
@@ -106,6 +115,7 @@ def test_hint_levels_are_prefixes_and_never_contain_the_answer():
             # never the final answer: no answer line and never the step that computes it
             assert "A:" not in h and steps[-1] not in h.split(toy.STEP_SEP)
             assert toy.toy_reward(h, p.answer) == 0.0
+            assert p.answer not in [s.split("=")[1] for s in h.split(toy.STEP_SEP)]
 
 
 def test_hint_payload_parses_back_with_sage_parser():
@@ -128,17 +138,18 @@ def test_continuation_completes_the_hint():
 def test_prompt_formats():
     task = toy.ToyTask()
     tok = task.tok
-    p = toy.ToyProblem(7, (("*", 3), ("+", 4)), 5)
-    assert p.text == "7*3+4:e"
-    assert p.solution == "a*3=1;b+4=5;c*3=5;d+4=9;e*3=7;A:7"
-    assert task.answer_prompt(p.text) == [tok.bos_id] + tok.encode("Q:7*3+4:e\n")
-    assert tok.decode(task.hinted_prompt(p.text, "a*3=1")) == "Q:7*3+4:e\nH:a*3=1\n"
-    assert tok.decode(task.hint_request(p.text, p.solution)) == "S:" + p.solution + "\nH?"
-    assert toy.reference_hints(p) == {1: "a*3=1", 2: "a*3=1;b+4=5",
-                                      3: "a*3=1;b+4=5;c*3=5;d+4=9"}
-    assert toy.continuation(p, "a*3=1;b+4=5") == "c*3=5;d+4=9;e*3=7;A:7"
+    p = toy.ToyProblem(37, (("*", 3), ("+", 4)), 5)
+    assert p.text == "37*3+4:e"
+    assert p.solution == "a*3=91;b+4=35;c*7=15;d+5=60;e*9=40;A:40"
+    assert task.answer_prompt(p.text) == [tok.bos_id] + tok.encode("Q:37*3+4:e\n")
+    assert tok.decode(task.hinted_prompt(p.text, "a*3=91")) == "Q:37*3+4:e\nH:a*3=91\n"
+    assert tok.decode(task.hint_request(p.text, p.solution)) == "S:" + p.solution + "\nH?a,b,d:"
+    assert toy.reference_hints(p) == {1: "a*3=91", 2: "a*3=91;b+4=35",
+                                      3: "a*3=91;b+4=35;c*7=15;d+5=60"}
+    assert toy.continuation(p, "a*3=91;b+4=35") == "c*7=15;d+5=60;e*9=40;A:40"
+    assert toy.next_operand("*", 9) == ("*", 3) and toy.next_operand("+", 9, 2) == ("+", 2)
     # policy-written hints may hold anything: kept on one line and in the vocabulary
-    assert tok.decode(task.hinted_prompt(p.text, "x\ny\u00e9")) == "Q:7*3+4:e\nH:x y?\n"
+    assert tok.decode(task.hinted_prompt(p.text, "x\ny\u00e9")) == "Q:37*3+4:e\nH:x y?\n"
     assert task.decode(tok.encode("a+5=12;A:12", eos=True) + [65, 66]) == "a+5=12;A:12"
     assert task.eos_ids == (tok.eos_id,) and task.pad_id == tok.pad_id
     assert task.reward_name in rewards.reward_names()
@@ -152,9 +163,11 @@ def test_sft_mix_covers_every_length_kind_and_level():
         assert prompt[0] == task.tok.bos_id and answer[-1] == task.tok.eos_id
         text, ans = task.tok.decode(prompt), task.tok.decode(answer)
         if text.startswith("S:"):  # hint request: the reference solution only
-            solution = text[2:].split("\n")[0]
+            solution, ends = text[2:].split("\n")
             k = solution.count(";")
             kinds.add(("write", k))
+            assert ends == "H?" + ",".join(toy.LABELS[toy.hint_steps(k, lvl) - 1]
+                                           for lvl in (1, 2, 3)) + ":"
             assert sage.parse_hints(ans) == toy.reference_hints(solution)
             continue
         p = toy.ToyProblem.parse(text.split("\n")[0][2:])

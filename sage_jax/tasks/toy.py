@@ -1,40 +1,52 @@
-"""The built-in toy task: alternating chain arithmetic mod 10, at character level.
+"""The built-in toy task: alternating two-digit chain arithmetic, at character level.
 
-A problem is a start digit, two operations and a length k (the difficulty knob, given as the
-label of the last step). The reference solution applies the two operations alternately, one
-labelled step each, restating the operation before its result, and ends with the answer:
+A problem is a two-digit start value, two operations and a length k (the difficulty knob,
+given as the label of the last step). The reference solution applies the two operations
+alternately, one labelled step each, restating the operation before its result; each
+operation's operand goes up every time it is used (+/-: 1..9 then 1 again; *: 3, 7, 9, 3...).
+An operation acts on each digit separately, mod 10, with no carries (37 +4 -> 71, 37 *3 -> 91).
+The solution ends with the answer:
 
-    problem   7*3+4:e                                (start 7; *3, +4, *3, +4, *3)
-    solution  a*3=1;b+4=5;c*3=5;d+4=9;e*3=7;A:7      (values mod 10)
+    problem   37*3+4:e                                 (start 37; *3, +4, *7, +5, *9)
+    solution  a*3=91;b+4=35;c*7=15;d+5=60;e*9=40;A:40
 
 Why this shape (facts from a prototype, see issue 8, and from tuning this one):
-- Everything a step needs sits at a fixed distance behind it: the previous value 5 characters
-  back, the operation (for steps c, d, ...) 12 back, and the prompt has a fixed width. So a
-  step never has to find "the j-th operation" of the problem, which made length, not
-  arithmetic, the bottleneck of the prototype (labelled variants that look operations up by
-  content, `07+a5*b3`, spent the whole SFT budget learning the lookup). The only real work
-  per step is one arithmetic fact (10 values x {+1..+9, -1..-9, *2..*9} mod 10), so a model that
-  gets a step right with probability p passes a k-step problem about p^k of the time: the
-  per-step error, not the length, is the bottleneck. Stopping is one comparison (step label
-  vs. the problem's last label). Values mod 100 make the same task ~3x slower to learn.
+- Everything a step needs sits at a fixed distance behind it: the previous value 6 characters
+  back, the operation it increments (for steps c, d, ...) 14 back, and the prompt has a fixed
+  width. So a step never has to find "the j-th operation" of the problem, which made length,
+  not arithmetic, the bottleneck of the prototype (labelled variants that look operations up by
+  content, `07+a5*b3`, spent the whole SFT budget learning the lookup). The only real work per
+  step is two arithmetic facts from one small table (10 digits x {+1..+9, -1..-9, *2..*9} mod
+  10), so a model that gets a step right with probability p passes a k-step problem about p^k
+  of the time: the per-step error, not the length, is the bottleneck. Stopping is one
+  comparison (step label vs. the problem's last label).
+- Digitwise arithmetic learns like mod-10 arithmetic (true mod-100 arithmetic, with carries,
+  was far slower to learn) while a guessed answer is right only ~1% of the time (single-digit
+  answers were guessed right 10% of the time, so groups of 8 seldom collapsed). Every operation
+  permutes the digits, so the two digits never merge (with *5 or *2 they did, and long chains
+  became a one-digit task that was easier than short ones).
+- The operand increments keep a chain from cycling through the same few facts (with fixed
+  operands a chain repeats within a few steps and pass rates hardly fall with length).
 - A hint supplies the first j steps; the hinted answer continues from step j + 1, so the hint
   removes j chances to fail. Levels (reference-derived): 1 = the first step, 2 = the first
-  floor(k/2) steps, 3 = the first k - 1 steps; a level with no step (k = 1) is absent. A hint
-  never holds the final step or the answer line (values are single digits, so the answer's
-  digit may of course occur in it, as any digit does).
+  floor(k/2) steps, 3 = the first k - 1 steps; a level with no step (k = 1) is absent. The
+  generator makes every intermediate value differ from the final answer, so no hint holds it.
 - With p near 0.87 a group of 8 answers is all wrong mostly when p^k is small, so the RL
-  lengths are long (see RL_SPEC); SFT covers every length 1..SFT_SPEC.max_steps.
+  lengths are the long ones (see RL_SPEC); SFT covers every length 1..SFT_SPEC.max_steps.
 - The SFT mix covers every length with no hint, with each hint level, and the hint-writing
   request (the reference solution in the prompt, the three-level JSON payload as the answer),
   so the policy can both use and write hints.
 
 Prompt formats (<bos> first; the answer ends with <eos>):
-    answer prompt    Q:7*3+4:e\\n              -> a*3=1;b+4=5;c*3=5;d+4=9;e*3=7;A:7
-    hinted prompt    Q:7*3+4:e\\nH:a*3=1\\n     -> b+4=5;c*3=5;d+4=9;e*3=7;A:7
-    hint request     S:<reference solution>\\nH?  -> {"1":"a*3=1","2":"a*3=1;b+4=5","3":...}
-The hint request shows only the reference solution (it holds every step, so the problem text
-would be redundant characters). The payload is a JSON object with keys "1".."3", which
-`sage.parse_hints` reads.
+    answer prompt    Q:37*3+4:e\\n             -> a*3=91;b+4=35;c*7=15;d+5=60;e*9=40;A:40
+    hinted prompt    Q:37*3+4:e\\nH:a*3=91\\n   -> b+4=35;c*7=15;d+5=60;e*9=40;A:40
+    hint request     S:a*3=91;b+4=35;c*7=15;d+5=60;e*9=40;A:40\\nH?a,b,d:
+                         -> {"1":"a*3=91","2":"a*3=91;b+4=35","3":"a*3=91;...;d+5=60"}
+The hint request shows the reference solution (it holds every step, so the problem text would
+be redundant characters) and, after `H?`, the label of the last step each level should reach
+(as the paper's request describes what each level holds): writing a hint is then copying
+steps up to a named label, which the policy learns in SFT, rather than counting to k/2. The
+payload is a JSON object with keys "1".."3", which `sage.parse_hints` reads.
 """
 
 from __future__ import annotations
@@ -52,12 +64,15 @@ from sage_jax.rewards import get_reward, register_reward
 from sage_jax.sage import LEVELS
 from sage_jax.tasks.data import Example
 
-MOD = 10
-WIDTH = len(str(MOD - 1))  # digits of a value
+BASE = 10  # each digit is computed mod 10, with no carries
+WIDTH = 2  # digits of a value
+MOD = BASE ** WIDTH  # number of distinct values
 LABELS = "abcdefghijklmnopqrst"
 MAX_STEPS = len(LABELS)
 OPS = ("+", "-", "*")
-OPERANDS = {"+": tuple(range(1, 10)), "-": tuple(range(1, 10)), "*": tuple(range(2, 10))}
+# Every operation permutes the digits 0..9 (no *2, *4, *5, ...), so two different digits stay
+# different: the two digits of a value never merge into one lane, and no chain gets stuck.
+OPERANDS = {"+": tuple(range(1, 10)), "-": tuple(range(1, 10)), "*": (3, 7, 9)}
 ANSWER_TAG = "A:"
 QUESTION_TAG = "Q:"
 HINT_TAG = "H:"
@@ -71,14 +86,23 @@ _ANSWER_RE = re.compile(r"A:(\d+)")
 
 # ---- problems and reference solutions --------------------------------------------------------
 
-def apply_op(value: int, op: str, operand: int) -> int:
+def _digit_op(d: int, op: str, operand: int) -> int:
     if op == "+":
-        return (value + operand) % MOD
+        return (d + operand) % BASE
     if op == "-":
-        return (value - operand) % MOD
+        return (d - operand) % BASE
     if op == "*":
-        return (value * operand) % MOD
+        return (d * operand) % BASE
     raise ValueError(f"unknown operation {op!r}")
+
+
+def apply_op(value: int, op: str, operand: int) -> int:
+    """The operation applied to each digit of `value` separately, mod 10 (no carries)."""
+    out, scale = 0, 1
+    for _ in range(WIDTH):
+        out += _digit_op(value // scale % BASE, op, operand) * scale
+        scale *= BASE
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +115,13 @@ class ToyProblem:
 
     @property
     def ops(self) -> tuple[tuple[str, int], ...]:
-        """The operation of each step."""
-        return tuple(self.pair[j % 2] for j in range(self.k))
+        """The operation of each step: the pair alternates, and each operation's operand goes
+        up by one every time it is used (wrapping around its range)."""
+        return tuple(next_operand(*self.pair[j % 2], j // 2) for j in range(self.k))
 
     @property
     def text(self) -> str:
-        """The problem as the policy sees it, e.g. `7*3+4:e`."""
+        """The problem as the policy sees it, e.g. `37*3+4:e`."""
         (o1, x1), (o2, x2) = self.pair
         return f"{self.start:0{WIDTH}d}{o1}{x1}{o2}{x2}:{LABELS[self.k - 1]}"
 
@@ -113,7 +138,7 @@ class ToyProblem:
         return f"{self.values()[-1]:0{WIDTH}d}"
 
     def steps(self) -> list[str]:
-        """Reference steps, e.g. ['a*3=1', 'b+4=5']."""
+        """Reference steps, e.g. ['a*3=91', 'b+4=35']."""
         return [f"{LABELS[i]}{op}{x}={v:0{WIDTH}d}"
                 for i, ((op, x), v) in enumerate(zip(self.ops, self.values()))]
 
@@ -125,9 +150,15 @@ class ToyProblem:
     def parse(cls, text: str) -> "ToyProblem":
         m = _PROBLEM_RE.match(text.strip())
         if not m:
-            raise ValueError(f"not a toy problem: {text!r} (expected e.g. '7*3+4:e')")
+            raise ValueError(f"not a toy problem: {text!r} (expected e.g. '37*3+4:e')")
         start, o1, x1, o2, x2, last = m.groups()
         return cls(int(start), ((o1, int(x1)), (o2, int(x2))), LABELS.index(last) + 1)
+
+
+def next_operand(op: str, operand: int, uses: int = 1) -> tuple[str, int]:
+    """The operation after `uses` increments of its operand (wrapping within OPERANDS[op])."""
+    r = OPERANDS[op]
+    return op, r[(r.index(operand) + uses) % len(r)]
 
 
 def solution_text(steps: Sequence[str], answer: str) -> str:
@@ -135,14 +166,18 @@ def solution_text(steps: Sequence[str], answer: str) -> str:
 
 
 def random_problem(rng: np.random.Generator, k: int, ops: str = "".join(OPS)) -> ToyProblem:
-    """A k-step problem with operators drawn from `ops`; the two operations never undo each
-    other (+x then -x), which would make the chain a trivial 2-cycle."""
+    """A k-step problem with operators drawn from `ops`. The start value has two different
+    digits; the two operations never undo each other (+x then -x, whose operands also rise in
+    step: a trivial 2-cycle); no intermediate value equals the final answer, so no hint holds
+    it."""
     if not 1 <= k <= MAX_STEPS:
         raise ValueError(f"k={k} steps is outside 1..{MAX_STEPS}")
     if not ops or set(ops) - set(OPS):
         raise ValueError(f"ops must be a non-empty subset of {''.join(OPS)!r}, got {ops!r}")
-    while True:
+    for _ in range(100_000):
         start = int(rng.integers(MOD))
+        if len(set(f"{start:0{WIDTH}d}")) < WIDTH:
+            continue
         pair = []
         for _ in range(2):
             op = ops[int(rng.integers(len(ops)))]
@@ -150,7 +185,12 @@ def random_problem(rng: np.random.Generator, k: int, ops: str = "".join(OPS)) ->
         (o1, x1), (o2, x2) = pair
         if {o1, o2} == {"+", "-"} and x1 == x2:
             continue
-        return ToyProblem(start, (pair[0], pair[1]), k)
+        p = ToyProblem(start, (pair[0], pair[1]), k)
+        values = p.values()
+        if values[-1] not in values[:-1]:  # no hint holds the answer's value
+            return p
+    raise ValueError(f"found no {k}-step problem with operators {ops!r} whose answer differs "
+                     "from every intermediate value")
 
 
 # ---- hints ----------------------------------------------------------------------------------
@@ -161,11 +201,21 @@ def hint_steps(k: int, level: int) -> int:
     return max(0, min(n, k - 1))
 
 
+def _steps_of(solution: str) -> list[str]:
+    return [s for s in solution.split(STEP_SEP) if s and not s.startswith(ANSWER_TAG)]
+
+
+def hint_lengths(solution: str) -> dict[int, int]:
+    """{level: number of steps} the hints of a solution have (0: the level is absent)."""
+    k = len(_steps_of(solution))
+    return {level: hint_steps(k, level) for level in LEVELS}
+
+
 def reference_hints(problem: ToyProblem | str) -> dict[int, str]:
     """{level: hint} from the reference steps (of a problem, or of its solution text); levels
     with no step are absent."""
     if isinstance(problem, str):
-        steps = [s for s in problem.split(STEP_SEP) if not s.startswith(ANSWER_TAG)]
+        steps = _steps_of(problem)
     else:
         steps = problem.steps()
     out = {}
@@ -231,7 +281,10 @@ class ToyTask:
 
     @staticmethod
     def request_text(problem: str, solution: str) -> str:
-        return f"{SOLUTION_TAG}{_one_line(solution)}\n{REQUEST_TAG}"
+        solution = _one_line(solution)
+        ends = ",".join(LABELS[n - 1] if 0 < n <= len(LABELS) else "-"
+                        for n in hint_lengths(solution).values())
+        return f"{SOLUTION_TAG}{solution}\n{REQUEST_TAG}{ends}:"
 
     # Task protocol
     def answer_prompt(self, problem: str) -> list[int]:
@@ -321,8 +374,8 @@ class SFTMix:
     problem has), and hint-writing requests."""
 
     plain: float = 0.5
-    hinted: float = 0.3
-    write: float = 0.2
+    hinted: float = 0.4
+    write: float = 0.1
 
     def probs(self) -> np.ndarray:
         p = np.asarray([self.plain, self.hinted, self.write], np.float64)

@@ -1,0 +1,321 @@
+"""Warm start and calibration of the toy testbed.
+
+`warm_start` trains the toy model with `sage_jax.sft` on the toy SFT mix and stops when the
+teacher-forced single-step accuracy (at temperature 1) reaches a target, so the policy starts RL
+where single steps are right about 85-90% of the time.
+
+`teacher_forced` measures, in one forward pass per batch and without sampling, the exact
+probability (temperature 1) that the policy writes each reference step, given the prompt (plain or
+hinted) and the correct steps before it.
+
+`calibrate` is the gate the default job prints before RL: sampled groups on the RL prompt
+distribution -> share of all-zero groups per length, pass rate per length with no hint and with
+level-1/2/3 reference hints, and the policy's own hint-writing accuracy per level.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sage_jax import sage, sft
+from sage_jax.models.decoder import Decoder
+from sage_jax.tasks import toy
+
+SFT_DEFAULTS = dict(steps=2500, batch_size=32, lr=1e-3, warmup=50, target_step_acc=0.87,
+                    eval_every=10, eval_per_length=8, bucket=64)
+GATE_ALL_ZERO = 0.35  # at least this share of groups all-zero at step 0
+GATE_L3_MARGIN = 0.10  # level-3 pass rate at the hardest length at least this above no hint
+
+
+# ---- teacher forcing ------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=8)
+def _logprob_fn(graphdef):
+    return jax.jit(functools.partial(sft.token_logprobs, graphdef))
+
+
+def teacher_forced(model: Decoder, problems: Sequence[toy.ToyProblem], *, level: int = 0,
+                   task: toy.ToyTask | None = None, batch_size: int = 256) -> dict:
+    """Per-problem and per-step probabilities of the reference answer at temperature 1.
+
+    With `level` > 0 the prompt holds the level's reference hint (problems without that level are
+    skipped) and the steps are those after the hint. Returns:
+      pass_prob [N]: probability of sampling exactly the reference continuation (<eos> included),
+        and pass_logprob [N] its log;
+      step_prob: list of arrays, one per problem, P(step j right | all before right) for each
+        step the answer writes (the step's chars and its ';'); the final `A:..<eos>` is folded
+        into the last step;
+      k [N]: problem lengths; index [N]: positions of the kept problems in `problems`.
+    """
+    task = task or toy.ToyTask()
+    graphdef, params = nnx.split(model)
+    fn = _logprob_fn(graphdef)
+    rows, keep = [], []
+    for i, p in enumerate(problems):
+        if level:
+            hints = toy.reference_hints(p)
+            if level not in hints:
+                continue
+            prompt = task.hinted_prompt(p.text, hints[level])
+            answer = toy.continuation(p, hints[level])
+        else:
+            prompt, answer = task.answer_prompt(p.text), p.solution
+        rows.append((prompt, task.encode_answer(answer), answer))
+        keep.append(i)
+    pass_prob, pass_logprob, step_logprob = [], [], []
+    for s in range(0, len(rows), batch_size):
+        chunk = rows[s:s + batch_size]
+        tokens, mask = sft.make_batch([(pr, an) for pr, an, _ in chunk], pad_id=task.pad_id)
+        n = len(chunk)
+        if n < batch_size and len(rows) > batch_size:  # keep one compiled batch shape
+            tokens = np.pad(tokens, ((0, batch_size - n), (0, 0)))
+        lp = np.asarray(fn(params, jnp.asarray(tokens)))[:n]
+        for (pr, an, text), row in zip(chunk, lp):
+            a = row[len(pr) - 1:len(pr) - 1 + len(an)]  # log p of each answer token (+ <eos>)
+            pass_logprob.append(float(a.sum()))
+            pass_prob.append(float(np.exp(a.sum())))
+            # split the answer text into steps: 'a+5=12;' ... the last step takes 'A:xx<eos>'
+            parts = text.split(toy.STEP_SEP)
+            bounds, pos = [], 0
+            for j, part in enumerate(parts[:-1]):
+                end = pos + len(part) + 1
+                bounds.append((pos, end))
+                pos = end
+            if bounds:
+                bounds[-1] = (bounds[-1][0], len(an))
+            else:
+                bounds = [(0, len(an))]
+            step_logprob.append(np.asarray([a[b0:b1].sum() for b0, b1 in bounds], np.float64))
+    ks = np.asarray([problems[i].k for i in keep], np.int32)
+    return {"pass_prob": np.asarray(pass_prob), "pass_logprob": np.asarray(pass_logprob),
+            "step_prob": [np.exp(s) for s in step_logprob], "step_logprob": step_logprob,
+            "k": ks,
+            "index": np.asarray(keep, np.int32)}
+
+
+def step_accuracy(model: Decoder, problems: Sequence[toy.ToyProblem], **kw) -> dict:
+    """Summary of `teacher_forced`: mean single-step accuracy, pass prob and expected share of
+    all-zero groups of 8 (E[(1 - q)^8]), overall and per length."""
+    tf = teacher_forced(model, problems, **kw)
+    steps = np.concatenate(tf["step_prob"]) if tf["step_prob"] else np.zeros(0)
+    q = tf["pass_prob"]
+    out = {"step_acc": float(steps.mean()) if steps.size else float("nan"),
+           "pass": float(q.mean()), "all_zero_g8": float(((1 - q) ** 8).mean())}
+    for k in sorted(set(tf["k"].tolist())):
+        sel = tf["k"] == k
+        out[f"pass_k{k}"] = float(q[sel].mean())
+    return out
+
+
+# ---- warm start -----------------------------------------------------------------------------
+
+def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
+               batch_size: int = SFT_DEFAULTS["batch_size"], lr: float = SFT_DEFAULTS["lr"],
+               warmup: int = SFT_DEFAULTS["warmup"],
+               target_step_acc: float = SFT_DEFAULTS["target_step_acc"],
+               eval_every: int = SFT_DEFAULTS["eval_every"],
+               eval_per_length: int = SFT_DEFAULTS["eval_per_length"],
+               bucket: int = SFT_DEFAULTS["bucket"],
+               spec: toy.ToySpec = toy.SFT_SPEC, eval_spec: toy.ToySpec = toy.RL_SPEC,
+               mix: toy.SFTMix = toy.SFTMix(),
+               model_overrides: dict | None = None,
+               progress: Callable[[str], None] | None = None):
+    """A fresh toy model trained on the SFT mix (lengths `spec`) until the teacher-forced
+    single-step accuracy on held-out problems of `eval_spec` (the RL lengths) reaches `target_step_acc` (0: train all `steps`).
+
+    Returns (model, `sft.SFTResult`).
+    """
+    task = toy.ToyTask()
+    model = Decoder(toy.toy_model_config(**(model_overrides or {})), rngs=nnx.Rngs(seed))
+    held_out = toy.make_problems(eval_per_length, eval_spec, seed=10_000 + seed,
+                                 per_length=True)
+
+    def draw(rng, n):
+        return toy.sft_draw(rng, n, task=task, spec=spec, mix=mix)
+
+    # Single-step accuracy rises sharply once the arithmetic "clicks" (0.5 -> 0.95 within ~50
+    # steps), so near the target the model is evaluated every other step.
+    state = {"step": 0, "acc": 0.0}
+
+    def evaluate(m):
+        state["step"] += 1
+        near = target_step_acc and state["acc"] >= target_step_acc - 0.35
+        if state["step"] % (2 if near else eval_every):
+            return {}
+        met = step_accuracy(m, held_out, task=task)
+        state["acc"] = met["step_acc"]
+        return met
+
+    stop = (lambda met: met["step_acc"] >= target_step_acc) if target_step_acc else None
+    return sft.train_sft(model, draw, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                         pad_id=task.pad_id, warmup=warmup, eval_every=1 if eval_every else 0,
+                         bucket=bucket, eval_fn=evaluate if eval_every else None, stop_fn=stop,
+                         progress=progress)
+
+
+# ---- sampled calibration --------------------------------------------------------------------
+
+def _default_generate():
+    from sage_jax.sampling import generate
+    return generate
+
+
+STEP_CHARS = 5 + toy.WIDTH  # 'a*3=1;'
+
+
+def max_answer_tokens(k: int) -> int:
+    """Room for a k-step answer (the steps, 'A:' and the value, <eos>) with a margin."""
+    return STEP_CHARS * k + 12
+
+
+def max_payload_tokens(k: int) -> int:
+    """Room for the hint payload of a k-step problem (levels 1..3 repeat 1 + k/2 + k-1 steps)."""
+    return STEP_CHARS * (1 + k // 2 + k) + 32
+
+
+def sample_rewards(model: Decoder, problems: Sequence[toy.ToyProblem], *, group_size: int,
+                   temperature: float = 1.0, key=None, level: int = 0,
+                   task: toy.ToyTask | None = None, generate=None, prompt_ids=None):
+    """Rewards [N, group_size] of sampled answers to `problems` (with the level's reference hint
+    in the prompt when `level` > 0; every problem must have that level) and the texts [N*G]."""
+    task = task or toy.ToyTask()
+    generate = generate or _default_generate()
+    if level:
+        prompts = [task.hinted_prompt(p.text, toy.reference_hints(p)[level]) for p in problems]
+    else:
+        prompts = [task.answer_prompt(p.text) for p in problems]
+    kmax = max(p.k for p in problems)
+    ids = np.arange(len(problems)) if prompt_ids is None else prompt_ids
+    got = generate(model, prompts, max_new_tokens=max_answer_tokens(kmax),
+                   temperature=temperature, top_p=1.0, top_k=0, eos_token_id=task.eos_ids,
+                   key=jax.random.PRNGKey(0) if key is None else key, num_samples=group_size,
+                   prompt_ids=np.asarray(ids, np.int32), pad_id=task.pad_id)
+    texts = [task.decode(got.tokens[r, :got.lengths[r]]) for r in range(len(got.lengths))]
+    r = np.asarray([toy.toy_reward(t, problems[r // group_size].answer)
+                    for r, t in enumerate(texts)], np.float32)
+    return r.reshape(len(problems), group_size), texts
+
+
+def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
+              spec: toy.ToySpec = toy.RL_SPEC, problems_per_length: int = 32,
+              group_size: int = 8, temperature: float = 1.0, hint_temperature: float = 0.0,
+              levels: Sequence[int] = (1, 2, 3), seed: int = 0,
+              problems: Sequence[toy.ToyProblem] | None = None) -> dict:
+    """Sampled calibration of a policy on the RL prompt distribution.
+
+    `generate(model, prompts, *, max_new_tokens, temperature, top_p, top_k, eos_token_id, key,
+    num_samples)` is `sage_jax.sampling.generate` by default. For each length of `spec`,
+    `problems_per_length` problems get a group of `group_size` answers with no hint and with each
+    reference hint level; the policy also writes one hint payload per problem (at
+    `hint_temperature`, 0 = greedy), scored against the reference-derived hints.
+
+    Returns a dict:
+      all_zero, all_zero_by_k: share of no-hint groups with every answer wrong;
+      pass_by_level: {level: {k: pass rate}} (level 0 = no hint) and pass_by_level_all;
+      hint_parse_rate: share of written payloads `sage.parse_hints` accepts;
+      hint_write_acc: {level: share of problems whose written level-l hint equals the reference};
+      gate: {"all_zero": bool, "l3_above_no_hint": bool, "passed": bool} and gate_notes (text);
+      seconds.
+    """
+    t0 = time.perf_counter()
+    task = task or toy.ToyTask()
+    generate = generate or _default_generate()
+    if problems is None:
+        problems = toy.make_problems(problems_per_length, spec, seed=20_000 + seed,
+                                     per_length=True)
+    ks = np.asarray([p.k for p in problems])
+    kmax = int(ks.max())
+    key = jax.random.PRNGKey(seed)
+    out: dict = {"group_size": group_size, "temperature": temperature,
+                 "problems": len(problems), "lengths": sorted(set(ks.tolist()))}
+
+    pass_by_level: dict[int, dict[int, float]] = {}
+    pass_all: dict[int, float] = {}
+    examples: dict[int, list[str]] = {}
+    for level in (0, *levels):
+        idx = [i for i, p in enumerate(problems)
+               if level == 0 or level in toy.reference_hints(p)]
+        if not idx:
+            continue
+        rewards, texts = sample_rewards(model, [problems[i] for i in idx], level=level,
+                                        group_size=group_size, temperature=temperature,
+                                        key=jax.random.fold_in(key, level), task=task,
+                                        generate=generate, prompt_ids=idx)
+        examples[level] = texts[:: group_size][:3]
+        kk = ks[idx]
+        pass_by_level[level] = {int(k): float(rewards[kk == k].mean()) for k in sorted(set(kk))}
+        pass_all[level] = float(rewards.mean())
+        if level == 0:
+            az = rewards.max(axis=1) == 0
+            out["all_zero"] = float(az.mean())
+            out["all_zero_by_k"] = {int(k): float(az[kk == k].mean()) for k in sorted(set(kk))}
+    out["pass_by_level"] = pass_by_level
+    out["pass_by_level_all"] = pass_all
+
+    # the policy writes hints (one payload per problem)
+    requests = [task.hint_request(p.text, p.solution) for p in problems]
+    got = generate(model, requests, max_new_tokens=max_payload_tokens(kmax),
+                   temperature=hint_temperature, top_p=1.0, top_k=0, eos_token_id=task.eos_ids,
+                   key=jax.random.fold_in(key, 1000), num_samples=1,
+                   prompt_ids=np.arange(len(problems), dtype=np.int32), pad_id=task.pad_id)
+    parsed_ok = 0
+    right = {lvl: 0 for lvl in levels}
+    have = {lvl: 0 for lvl in levels}
+    for r, p in enumerate(problems):
+        text = task.decode(got.tokens[r, :got.lengths[r]])
+        written = sage.parse_hints(text, ground_truth=p.answer)
+        ref = toy.reference_hints(p)
+        parsed_ok += written is not None
+        for lvl in levels:
+            if lvl in ref:
+                have[lvl] += 1
+                right[lvl] += bool(written) and written.get(lvl) == ref[lvl]
+        if r < 3:
+            examples.setdefault("write", []).append(text)
+    out["hint_parse_rate"] = parsed_ok / len(problems)
+    out["hint_write_acc"] = {lvl: right[lvl] / max(have[lvl], 1) for lvl in levels}
+    out["samples"] = examples
+
+    # the gate
+    notes = []
+    ok_zero = out["all_zero"] >= GATE_ALL_ZERO
+    notes.append(f"all-zero groups {out['all_zero']:.0%} (want >= {GATE_ALL_ZERO:.0%}): "
+                 + ("ok" if ok_zero else "FAIL"))
+    if 3 in pass_by_level and kmax in pass_by_level[3]:
+        l3, l0 = pass_by_level[3][kmax], pass_by_level[0][kmax]
+        ok_l3 = l3 >= l0 + GATE_L3_MARGIN
+        notes.append(f"pass at k={kmax}: level-3 hint {l3:.0%} vs no hint {l0:.0%} "
+                     f"(want +{GATE_L3_MARGIN:.0%}): " + ("ok" if ok_l3 else "FAIL"))
+    else:
+        ok_l3 = False
+        notes.append("no level-3 hints measured: FAIL")
+    notes.append("hint writing (policy vs reference) " + ", ".join(
+        f"L{lvl} {out['hint_write_acc'][lvl]:.0%}" for lvl in levels)
+        + f", parsed {out['hint_parse_rate']:.0%}")
+    out["gate"] = {"all_zero": bool(ok_zero), "l3_above_no_hint": bool(ok_l3),
+                   "passed": bool(ok_zero and ok_l3)}
+    out["gate_notes"] = notes
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def format_calibration(cal: dict) -> str:
+    """A small text table of `calibrate`'s result."""
+    levels = sorted(cal["pass_by_level"])
+    ks = cal["lengths"]
+    lines = ["k    all-zero  " + "  ".join(f"pass L{lv}" for lv in levels)]
+    for k in ks:
+        cells = [f"{cal['pass_by_level'][lv].get(k, float('nan')):7.2f}" for lv in levels]
+        lines.append(f"{k:<4d} {cal['all_zero_by_k'].get(k, float('nan')):8.2f}  "
+                     + "  ".join(cells))
+    lines.append(f"all  {cal['all_zero']:8.2f}  " + "  ".join(
+        f"{cal['pass_by_level_all'][lv]:7.2f}" for lv in levels))
+    lines += cal["gate_notes"]
+    return "\n".join(lines)
