@@ -27,14 +27,17 @@ def load_task(cfg, model_path: str | None = None):
 
 
 def load_model(cfg) -> models.Decoder:
-    """The policy at its starting point: model.path, or the built-in toy model."""
+    """The policy at its starting point: model.path, or the built-in toy model (its SFT warm
+    start when task.toy.warm_start, else randomly initialised)."""
     dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
     if cfg.model.path:
         return models.from_hf(cfg.model.path, dtype=dtype, compute_dtype=cdtype)
     if cfg.task.name != "toy":
         raise config_lib.ConfigError("task.name=math needs model.path (a Hugging Face folder)",
                                      key="model.path")
-    from sage_jax.tasks import toy
+    from sage_jax.tasks import toy, toy_job
+    if cfg.task.toy.warm_start:
+        return toy_job.warm_started_model(cfg, dtype=dtype, compute_dtype=cdtype)
     return models.Decoder(toy.toy_model_config(), dtype=dtype, compute_dtype=cdtype,
                           rngs=nnx.Rngs(cfg.train.seed))
 
@@ -42,8 +45,8 @@ def load_model(cfg) -> models.Decoder:
 def load_examples(cfg, task):
     """(training examples, stats): data.train_files, or the toy task's built-in problems."""
     if cfg.task.name == "toy" and not cfg.data.train_files:
-        from sage_jax.tasks import toy
-        examples = toy.make_examples(512, seed=cfg.train.seed)
+        from sage_jax.tasks import toy, toy_job
+        examples = toy.make_examples(cfg.task.toy.problems, toy_job.spec(cfg), seed=0)
         return examples, {"examples": len(examples), "source": "built-in toy problems"}
     return data_lib.load_examples(cfg.data,
                                   count_tokens=lambda problem: len(task.answer_prompt(problem)))

@@ -270,12 +270,39 @@ class EvalConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class ToyConfig(_Section):
+    """The built-in toy task (task.name: toy): its lengths, warm start, calibration, report."""
+
+    min_steps: int = 8  # Shortest chain (arithmetic steps) of the RL and evaluation problems.
+    max_steps: int = 16  # Longest chain; SFT covers every length from 1 to this.
+    problems: int = 512  # Built-in RL training problems (when data.train_files is empty).
+    warm_start: bool = True  # model.path null: start RL from the SFT warm start (cached).
+    sft_seed: int = 0  # Seed of the warm start (kept apart from train.seed: one SFT start).
+    sft_steps: int = 1500  # Most SFT steps of the warm start.
+    sft_target_step_acc: float = 0.87  # Stop SFT at this single-step accuracy (0: never).
+    cache_dir: str | None = None  # Warm-start cache; None = $SAGE_JAX_CACHE or ~/.cache/sage_jax.
+    calibrate: bool = True  # Measure and print the calibration gate before RL.
+    calibrate_per_length: int = 16  # Problems per length in the calibration.
+    report: bool = True  # After RL: no-hint evaluation by length, summary.md and summary.png.
+    eval_per_length: int = 32  # Problems per length in the final evaluation.
+    eval_samples: int = 4  # Samples per problem in the final evaluation (pass rate = mean).
+
+    def validate(self) -> None:
+        _require(1 <= self.min_steps <= self.max_steps <= 20, "task.toy.min_steps/max_steps",
+                 (self.min_steps, self.max_steps), "need 1 <= min_steps <= max_steps <= 20")
+        for key in ("problems", "calibrate_per_length", "eval_per_length", "eval_samples"):
+            _require(getattr(self, key) >= 1, f"task.toy.{key}", getattr(self, key), ">= 1")
+        _require(self.sft_steps >= 0, "task.toy.sft_steps", self.sft_steps, ">= 0")
+        _require(0 <= self.sft_target_step_acc < 1, "task.toy.sft_target_step_acc",
+                 self.sft_target_step_acc, "in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskConfig(_Section):
     """Which task supplies problems, prompts and rewards."""
 
     name: Literal["math", "toy"] = "math"  # math: chat-template prompts; toy: built-in task.
-    # Task-specific sub-sections go here, e.g.
-    #     toy: ToyConfig = dataclasses.field(default_factory=ToyConfig)
+    toy: ToyConfig = dataclasses.field(default_factory=ToyConfig)  # Used when name is toy.
 
 
 @dataclasses.dataclass(frozen=True)

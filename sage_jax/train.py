@@ -236,10 +236,24 @@ def parse(argv=None):
     return cfg, workdir
 
 
+def run(cfg, workdir) -> dict:
+    """`train`, and around it for the built-in toy task: the calibration gate before RL on a
+    fresh run, the no-hint evaluation by difficulty and summary.md/.png after."""
+    from sage_jax.tasks import toy_job
+    fresh = not (Path(workdir) / "checkpoints").is_dir()
+    if fresh and toy_job.is_default_toy_run(cfg) and cfg.task.toy.calibrate:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        toy_job.before_rl(cfg, workdir, build.load_model(cfg))
+    metrics = train(cfg, workdir)
+    if jax.process_index() == 0:
+        toy_job.after_rl(cfg, workdir)
+    return metrics
+
+
 def main(argv=None):
     try:
         cfg, workdir = parse(argv)
-        train(cfg, workdir)
+        run(cfg, workdir)
     except (config_lib.ConfigError, data_lib.DataError, TrainingError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -60,7 +60,8 @@ def tiny_qwen(base: Path) -> Path:
 # no reward, so the policy gradient alone would be zero), so an export of the base weights
 # instead of the trained ones is caught.
 _STEP = ["train.steps=1", "rl.method=grpo", "rl.minibatches=1", "optim.lr=0.01",
-         "optim.weight_decay=1.0", "train.samples_every=0", "checkpoint.every=0"]
+         "optim.weight_decay=1.0", "train.samples_every=0", "checkpoint.every=0",
+         "task.toy.warm_start=false"]
 
 
 def _train(workdir: Path, overrides: list[str]) -> None:

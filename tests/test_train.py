@@ -11,7 +11,7 @@ from sage_jax.metrics import read_metrics
 
 TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
         "hint.max_new_tokens=24", "rl.minibatches=2", "checkpoint.every=1", "checkpoint.keep=3",
-        "train.samples_every=1"]
+        "train.samples_every=1", "task.toy.warm_start=false"]
 
 REQUIRED = ["step", "reward/mean", "response/mean_length", "response/clipped_frac", "loss",
             "grad_norm", "clip/frac_low", "clip/frac_high", "entropy", "time/step_s",

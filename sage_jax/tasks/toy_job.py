@@ -1,0 +1,148 @@
+"""The embedded default job around `sage_jax.train.train` on the toy task:
+
+    warm start (SFT, cached) -> calibration gate -> RL -> no-hint evaluation by difficulty
+    -> summary.md + summary.png in the run folder.
+
+`warm_started_model(cfg)` is what `build.load_model` returns for the toy task with no
+model.path: the toy model after `toy_calibrate.warm_start`, cached as a Hugging Face folder under
+`task.toy.cache_dir` (default $SAGE_JAX_CACHE or ~/.cache/sage_jax), keyed by everything that
+shapes it, so the first run trains it (a few minutes) and later runs load it in a second.
+Regenerate it with `python -m sage_jax.sft` or by deleting the cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from sage_jax import models
+from sage_jax.tasks import toy, toy_calibrate
+
+DESIGN_VERSION = 3  # bump when the toy task's formats or the SFT recipe change
+EVAL_SEED = 30_000  # the held-out evaluation problems (training problems use seed 0)
+
+
+def spec(cfg) -> toy.ToySpec:
+    """The RL / evaluation lengths of the run."""
+    return toy.ToySpec(cfg.task.toy.min_steps, cfg.task.toy.max_steps)
+
+
+def cache_root(cfg) -> Path:
+    root = cfg.task.toy.cache_dir or os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax"
+    return Path(root).expanduser()
+
+
+def warm_start_settings(cfg) -> dict:
+    t = cfg.task.toy
+    return {"design": DESIGN_VERSION, "seed": t.sft_seed, "sft_steps": t.sft_steps,
+            "target_step_acc": t.sft_target_step_acc, "sft_max_steps": t.max_steps,
+            "eval_spec": [t.min_steps, t.max_steps], "defaults": toy_calibrate.SFT_DEFAULTS,
+            "model": toy.toy_model_config().to_hf_dict()}
+
+
+def cache_path(cfg) -> Path:
+    blob = json.dumps(warm_start_settings(cfg), sort_keys=True, default=str).encode()
+    return cache_root(cfg) / f"toy_sft-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
+    """The SFT warm start of the toy model (from the cache, or trained now and cached)."""
+    path = cache_path(cfg)
+    if (path / "config.json").is_file():
+        progress(f"warm start: cached SFT model {path}")
+        return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype)
+    t = cfg.task.toy
+    progress(f"warm start: SFT of the toy model (at most {t.sft_steps} steps, until single-step "
+             f"accuracy {t.sft_target_step_acc:.0%}); cached in {path}")
+    model, result = toy_calibrate.warm_start(
+        seed=t.sft_seed, steps=t.sft_steps, target_step_acc=t.sft_target_step_acc,
+        spec=toy.ToySpec(1, t.max_steps), eval_spec=spec(cfg), progress=progress)
+    last = result.evals[-1][1] if result.evals else {}
+    progress(f"warm start: {result.steps} SFT steps in {result.seconds:.0f}s, single-step "
+             f"accuracy {last.get('step_acc', float('nan')):.3f}")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    models.to_hf(model, tmp)
+    (tmp / "sft.json").write_text(json.dumps(
+        {"settings": warm_start_settings(cfg), "steps": result.steps,
+         "seconds": result.seconds, "evals": result.evals, "losses": result.losses[-50:]},
+        default=float, indent=1))
+    if path.exists():  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    if dtype is not None or compute_dtype is not None:
+        return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype)
+    return model
+
+
+def is_default_toy_run(cfg) -> bool:
+    return cfg.task.name == "toy" and not cfg.model.path
+
+
+def before_rl(cfg, workdir: str | Path, model) -> dict | None:
+    """The calibration gate on a fresh run (printed, and saved as calibration.json)."""
+    if not (is_default_toy_run(cfg) and cfg.task.toy.calibrate):
+        return None
+    workdir = Path(workdir)
+    print("calibration (step 0 policy on the RL prompt distribution):", flush=True)
+    cal = toy_calibrate.calibrate(model, spec=spec(cfg),
+                                  problems_per_length=cfg.task.toy.calibrate_per_length,
+                                  group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
+                                  seed=cfg.train.seed)
+    print(toy_calibrate.format_calibration(cal), flush=True)
+    if not cal["gate"]["passed"]:
+        print("calibration gate: NOT passed (see above); continuing with RL anyway", flush=True)
+    (workdir / "calibration.json").write_text(json.dumps(cal, indent=1, default=str))
+    return cal
+
+
+def accuracy_by_length(model, cfg, *, seed: int = 0) -> dict[int, float]:
+    """No-hint pass rate per length on held-out problems (`task.toy.eval_per_length` each, the
+    same set for every run; `task.toy.eval_samples` samples each at the rollout temperature, from
+    a key of `seed`)."""
+    t = cfg.task.toy
+    problems = toy.make_problems(t.eval_per_length, spec(cfg), seed=EVAL_SEED, per_length=True)
+    rewards, _ = toy_calibrate.sample_rewards(
+        model, problems, group_size=t.eval_samples, temperature=cfg.rl.temperature,
+        key=jax.random.PRNGKey(77 + seed))
+    ks = np.asarray([p.k for p in problems])
+    return {int(k): float(rewards[ks == k].mean()) for k in sorted(set(ks.tolist()))}
+
+
+def after_rl(cfg, workdir: str | Path, *, start_model=None) -> str | None:
+    """No-hint accuracy by difficulty of the SFT start and of the trained policy, then
+    summary.md / summary.png / eval_by_length.json in the run folder. Returns the markdown."""
+    if not (is_default_toy_run(cfg) and cfg.task.toy.report):
+        return None
+    from sage_jax import build, metrics as metrics_lib, report
+
+    workdir = Path(workdir)
+    t0 = time.perf_counter()
+    print("evaluation: no-hint pass rate by difficulty (held-out problems)", flush=True)
+    _, trained, step = build.restore_policy(workdir)
+    start = start_model if start_model is not None else build.load_model(cfg)
+    accuracy = {"SFT start": accuracy_by_length(start, cfg, seed=cfg.train.seed),
+                f"after {cfg.rl.method} ({step} steps)": accuracy_by_length(
+                    trained, cfg, seed=cfg.train.seed)}
+    (workdir / "eval_by_length.json").write_text(json.dumps(accuracy, indent=1))
+    rows = metrics_lib.read_metrics(workdir)
+    cal_file = workdir / "calibration.json"
+    extra = ""
+    if cal_file.is_file():
+        cal = json.loads(cal_file.read_text())
+        extra = "## Calibration at step 0\n\n" + "\n".join(
+            f"- {n}" for n in cal.get("gate_notes", []))
+    text = report.write_summary(
+        workdir, rows, accuracy, extra=extra,
+        title=f"toy task, {cfg.rl.method}, {step} RL steps, seed {cfg.train.seed}")
+    print(text, flush=True)
+    print(f"wrote {workdir / 'summary.md'} and {workdir / 'summary.png'} "
+          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    return text

@@ -1,0 +1,52 @@
+"""The default job (`python -m sage_jax.train`, no arguments) end to end, shrunken: warm start
+(SFT, cached), calibration gate, RL, no-hint evaluation by difficulty, summary table and plot."""
+
+import json
+
+import numpy as np
+
+from sage_jax import config, train
+from sage_jax.metrics import read_metrics
+from sage_jax.tasks import toy_job
+
+SHRUNK = ["task.toy.min_steps=2", "task.toy.max_steps=3", "task.toy.sft_steps=12",
+          "task.toy.sft_target_step_acc=0", "task.toy.calibrate_per_length=2",
+          "task.toy.eval_per_length=2", "task.toy.eval_samples=2", "task.toy.problems=16",
+          "train.steps=2", "rl.prompts_per_step=4", "rl.group_size=2", "rl.minibatches=1",
+          "rl.max_new_tokens=36", "hint.max_new_tokens=72", "checkpoint.every=0"]
+
+
+def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    cfg = config.load_config(train.DEFAULT_CONFIG, SHRUNK + [f"task.toy.cache_dir={cache}"])
+    run = tmp_path / "run"
+    train.run(cfg, run)
+    out = capsys.readouterr().out
+    # warm start trained once and cached as a Hugging Face folder
+    (cached,) = cache.iterdir()
+    assert (cached / "model.safetensors").is_file() and (cached / "sft.json").is_file()
+    assert json.loads((cached / "sft.json").read_text())["steps"] == 12
+    assert "warm start: SFT of the toy model" in out
+    # the gate was measured and printed before RL
+    cal = json.loads((run / "calibration.json").read_text())
+    assert set(cal["gate"]) == {"all_zero", "l3_above_no_hint", "passed"}
+    assert cal["lengths"] == [2, 3] and "calibration" in out and "all-zero groups" in out
+    # RL ran and logged every step; the summary has both tables and the plot
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    acc = json.loads((run / "eval_by_length.json").read_text())
+    assert list(acc) == ["SFT start", "after sage (2 steps)"]
+    for by_k in acc.values():
+        assert sorted(by_k) == ["2", "3"] and all(0 <= v <= 1 for v in by_k.values())
+    summary = (run / "summary.md").read_text()
+    assert "| steps (k) | SFT start | after sage (2 steps) |" in summary
+    assert "| 1-1 |" in summary and "reward" in summary and "all-zero groups" in summary
+    png = (run / "summary.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # a second start reads the cache (same parameters), it does not train again
+    model = toy_job.warm_started_model(cfg, progress=print)
+    assert "cached SFT model" in capsys.readouterr().out
+    first = toy_job.warm_started_model(cfg, progress=lambda s: None)
+    from flax import nnx
+    import jax
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(first))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
