@@ -14,6 +14,7 @@ refused inputs so that the pool's stats count them.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
 import multiprocessing as mp
@@ -249,8 +250,12 @@ register_reward("math", math_reward_checked)  # its timeouts and refusals get co
 # ----------------------------------------------------------------------------- worker pool
 
 
-def _worker_main(conn: Connection, memory_limit_mb: int | None) -> None:
-    """Worker loop: receive (fn, response, ground_truth), send (status, score)."""
+def _worker_main(conn: Connection, memory_limit_mb: int | None,
+                 preload: str | None = None) -> None:
+    """Worker loop: receive (fn, response, ground_truth), send (status, score).
+
+    `preload`: the reward function's module, imported before the worker reports ready, so a
+    heavy import (the toy task's pulls in jax) never counts against the first answer's timeout."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and shuts us down
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # it logs whole inputs on timeout
     if memory_limit_mb is not None:
@@ -258,6 +263,11 @@ def _worker_main(conn: Connection, memory_limit_mb: int | None) -> None:
 
         limit = memory_limit_mb * 2**20
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    if preload:
+        try:
+            importlib.import_module(preload)
+        except Exception:  # noqa: BLE001 - unpickling the task will report it, as before
+            pass
     conn.send(("ready", 0.0))
     while True:
         try:
@@ -333,7 +343,9 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child, self.memory_limit_mb),
+        preload = getattr(self.fn, "__module__", None)
+        process = self._ctx.Process(target=_worker_main,
+                                    args=(child, self.memory_limit_mb, preload),
                                     daemon=True, name="sage-reward-worker")
         process.start()
         child.close()
