@@ -11,7 +11,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from sage_jax import grpo, sampling
+from sage_jax import distributed, grpo, sampling
 from sage_jax.rollout import Rollout, Samples
 
 
@@ -28,10 +28,14 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
 
 
 class PolicySampler:
-    """The rollout's `GroupSampler` on the current policy: keys fold in (step, salt)."""
+    """The rollout's `GroupSampler` on the current policy: keys fold in (step, salt).
 
-    def __init__(self, graphdef, params, *, key, step: int, eos_ids, pad_id: int):
-        self.graphdef, self.params = graphdef, params
+    `params` are used where they are (the trainer's, on its mesh: no host round trip); `mesh`,
+    the mesh they live on, places prompt rows and KV caches on it (see `sampling`); None: no
+    placement (one device)."""
+
+    def __init__(self, graphdef, params, *, key, step: int, eos_ids, pad_id: int, mesh=None):
+        self.graphdef, self.params, self.mesh = graphdef, params, mesh
         self.key = jax.random.fold_in(key, step)
         self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
         self.generated_tokens = 0
@@ -44,8 +48,8 @@ class PolicySampler:
             self.graphdef, self.params, tok, mask, key=jax.random.fold_in(self.key, salt),
             num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, eos_ids=self.eos_ids,
-            prompt_ids_B=np.asarray(prompt_ids, np.int32), pad_id=self.pad_id)
-        out = jax.device_get(out)
+            prompt_ids_B=np.asarray(prompt_ids, np.int32), pad_id=self.pad_id, mesh=self.mesh)
+        out = distributed.fetch(out)  # gathered when rows span other processes' devices
         self.generated_tokens += int(np.sum(out.lengths))
         return Samples(np.array(out.tokens), np.array(out.lengths), np.array(out.logprobs))
 

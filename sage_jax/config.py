@@ -231,7 +231,8 @@ class CheckpointConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(_Section):
-    """Device mesh axis sizes; -1 = all devices left over (at most one axis)."""
+    """Device mesh axis sizes; -1 = all devices left over. One axis takes the rest: fsdp or
+    tensor when set to -1 (then data's default -1 counts as 1), else data."""
 
     data: int = -1  # Data-parallel axis.
     fsdp: int = 1  # Fully-sharded parameter axis.
@@ -241,9 +242,14 @@ class MeshConfig(_Section):
         for name in ("data", "fsdp", "tensor"):
             value = getattr(self, name)
             _require(value == -1 or value >= 1, name, value, "must be >= 1, or -1 for the rest")
-        if [self.data, self.fsdp, self.tensor].count(-1) > 1:
-            raise ConfigError(f"at most one mesh axis may be -1, got data={self.data}, "
+        if [self.fsdp, self.tensor].count(-1) > 1:
+            raise ConfigError(f"at most one of mesh.fsdp and mesh.tensor may be -1, got "
                               f"fsdp={self.fsdp}, tensor={self.tensor}")
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) with at most one -1 left (data's -1 yields to fsdp/tensor)."""
+        data = 1 if self.data == -1 and -1 in (self.fsdp, self.tensor) else self.data
+        return data, self.fsdp, self.tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +284,7 @@ class ToyConfig(_Section):
     problems: int = 512  # Built-in RL training problems (when data.train_files is empty).
     warm_start: bool = True  # model.path null: start RL from the SFT warm start (cached).
     sft_seed: int = 0  # Seed of the warm start (kept apart from train.seed: one SFT start).
-    sft_steps: int = 1500  # Most SFT steps of the warm start.
+    sft_steps: int = 3000  # Most SFT steps of the warm start.
     sft_target_step_acc: float = 0.87  # Stop SFT at this single-step accuracy (0: never).
     cache_dir: str | None = None  # Warm-start cache; None = $SAGE_JAX_CACHE or ~/.cache/sage_jax.
     calibrate: bool = True  # Measure and print the calibration gate before RL.

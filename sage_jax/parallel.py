@@ -38,10 +38,10 @@ PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """A ("data", "fsdp", "tensor") mesh over `devices` (default: all) from a `MeshConfig`.
 
-    One axis may be -1: it takes the devices left over. The product must equal the device count.
+    One axis may be -1: it takes the devices left over (`MeshConfig.sizes`). The product must equal the device count.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+    sizes = list(mesh_cfg.sizes())
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
@@ -122,16 +122,41 @@ def check_rows(n: int, mesh: Mesh, what: str = "batch") -> None:
             f"mesh.data/mesh.fsdp")
 
 
-def shard_batch(batch: dict, mesh: Mesh) -> dict:
+def local_rows(n_rows: int, mesh: Mesh):
+    """The global rows (of `n_rows`, split over ("data", "fsdp")) that this process's devices
+    hold, ascending: `slice(None)` with one process, else a slice (or an index array when
+    they are not contiguous). `batch[local_rows(n, mesh)]` is what `shard_batch` takes."""
+    if jax.process_count() == 1:
+        return slice(None)
+    check_rows(n_rows, mesh, "the batch")
+    spans = sorted({(s[0].start or 0, n_rows if s[0].stop is None else s[0].stop) for s in
+                    rows_sharding(mesh).addressable_devices_indices_map((n_rows,)).values()})
+    if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+        return slice(spans[0][0], spans[-1][1])
+    return np.concatenate([np.arange(a, b) for a, b in spans])
+
+
+def replicate(x, mesh: Mesh) -> jax.Array:
+    """A host value (the same on every process) as an array replicated over the whole mesh."""
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return jax.device_put(x, replicated(mesh))
+    return jax.make_array_from_callback(x.shape, replicated(mesh), lambda idx: x[idx])
+
+
+def shard_batch(batch: dict, mesh: Mesh, *, global_rows: int | None = None) -> dict:
     """Places every array of `batch` (rows first) with its rows split over ("data", "fsdp").
 
-    Single process: arrays are global. Multi-process: each process passes its own rows."""
+    Single process: arrays are global. Multi-process: each process passes its own rows,
+    `batch[local_rows(global_rows, mesh)]`, and `global_rows` (inferred when None, assuming
+    every process holds an equal share)."""
     sharding = rows_sharding(mesh)
     out = {}
     for key, x in batch.items():
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
         if jax.process_count() > 1:
-            out[key] = jax.make_array_from_process_local_data(sharding, np.asarray(x))
+            shape = None if global_rows is None else (global_rows,) + tuple(x.shape[1:])
+            out[key] = jax.make_array_from_process_local_data(sharding, np.asarray(x), shape)
         else:
             check_rows(x.shape[0], mesh, f"batch[{key!r}]")
             out[key] = jax.device_put(x, sharding)

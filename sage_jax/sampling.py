@@ -51,10 +51,22 @@ batch or on the bucket sizes. Fold the training step / hint level into `key` bef
 
 Padding: tokens after a row's end are `pad_id`; log-probs after the end are 0; `lengths` counts
 the generated tokens including the EOS token.
+
+Meshes (`sample(..., mesh=mesh)`, what the trainer passes): the sampler runs on the trainer's
+("data", "fsdp", "tensor") mesh with the weights as the trainer holds them (no host round
+trip). The prompts' rows -- and with them the prompt and generated-token KV caches, the logits
+and the per-step token / log-prob buffers -- are split over ("data", "fsdp") when that divides
+the bucketed prompt count (else they are replicated), and the caches' KV-head axis over "tensor"
+when that divides the KV heads (the attention heads' split in the partition rules). Inside each
+program the weights are resharded on device to the partition rules without "fsdp" (gathered
+over "fsdp", still split over "tensor"): once per call, not once per decoded token. Results do
+not depend on the mesh (the per-row keys above; logits only up to float summation order).
+Without a mesh (the default) nothing is placed or constrained.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Sequence
@@ -64,7 +76,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sage_jax import parallel
 from sage_jax.models.decoder import _NEG, KVCache, apply_rope, init_cache, rope_inv_freq
 
 PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 32, 64, 128, ...
@@ -113,6 +127,73 @@ class _Static:
 # Incremented each time a sampling program is traced (i.e. about to be compiled); tests use it to
 # check that a second batch in the same bucket does not recompile.
 TRACE_COUNTS = {"prefill": 0, "decode": 0}
+
+
+# ---- placement on a mesh ----------------------------------------------------------------------
+
+# The sampler's weight layout: the trainer's partition rules with "fsdp" dropped (decode feeds
+# one token per row per step, so fsdp-split weights would be gathered at every step).
+SAMPLER_RULES = tuple((pattern, tuple(None if a == "fsdp" else a for a in axes))
+                      for pattern, axes in parallel.PARTITION_RULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where one sampling program's arrays live (hashable: part of the jit cache key).
+
+    rows: the mesh axes of the prompt / row dimension (None: replicated); kv: the mesh axis of
+    the KV-head dimension of the caches (None: whole)."""
+
+    mesh: Mesh
+    rows: tuple | None
+    kv: str | None
+
+
+def _layout(mesh: Mesh | None, cfg, num_prompts: int) -> _Layout | None:
+    """Rows over ("data", "fsdp") when that divides the (bucketed) prompt count, KV heads over
+    "tensor" when that divides them; None without a mesh."""
+    if mesh is None:
+        return None
+    rows = parallel.ROWS if num_prompts % parallel.row_shards(mesh) == 0 else None
+    t = mesh.shape["tensor"]
+    kv = "tensor" if t > 1 and cfg.num_kv_heads % t == 0 else None
+    return _Layout(mesh, rows, kv)
+
+
+def _spec(lay: _Layout, kv_dim: int | None = None) -> NamedSharding:
+    """Rows on dimension 0 and, with `kv_dim`, KV heads on that dimension; the rest whole."""
+    spec = [lay.rows] + ([None] * (kv_dim - 1) + [lay.kv] if kv_dim else [])
+    return NamedSharding(lay.mesh, P(*spec))
+
+
+def _on(lay: _Layout | None, tree, kv_dim: int | None = None):
+    """Every array of `tree` (rows first) constrained inside jit to `_spec(lay, kv_dim)`;
+    unchanged without a mesh."""
+    if lay is None:
+        return tree
+    sh = _spec(lay, kv_dim)
+    return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: sh, tree))
+
+
+def _cache_shardings(lay: _Layout, num_layers: int) -> KVCache:
+    """Shardings of a prompt cache: k, v [B, P, K, H] per layer, mask [B, P], index scalar."""
+    kv = (_spec(lay, 2),) * num_layers
+    return KVCache(k=kv, v=kv, mask_BxS=_spec(lay), index=NamedSharding(lay.mesh, P()))
+
+
+def _on_cache(lay: _Layout | None, cache: KVCache) -> KVCache:
+    """A prompt cache constrained to `_cache_shardings` (inside jit)."""
+    if lay is None:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, _cache_shardings(lay, len(cache.k)))
+
+
+def _sampler_params(params, lay: _Layout | None):
+    """The weights resharded on device to `SAMPLER_RULES` (a no-op without "fsdp")."""
+    if lay is None or lay.mesh.shape["fsdp"] == 1:
+        return params
+    return jax.lax.with_sharding_constraint(
+        params, parallel.tree_shardings(params, lay.mesh, SAMPLER_RULES))
 
 
 # ---- token selection --------------------------------------------------------------------------
@@ -233,14 +314,14 @@ def _attend(attn, q_RxN, prompt_kv, prompt_mask_BxP, gen_kv, gen_valid_S, g):
     return o.transpose(0, 2, 1, 3, 4).reshape(r, attn.n * h)
 
 
-def _step(model, tok_R, pos_R, slot, prompt_kv, prompt_mask_BxP, gen_kv, g):
+def _step(model, tok_R, pos_R, slot, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=None):
     """Feeds one token per row at positions pos_R; writes its K/V at generated slot `slot`.
 
     Returns (float32 logits [R, V], updated generated-token cache)."""
     inv_freq = rope_inv_freq(model.cfg)
     s = gen_kv[0][1].shape[3]
     gen_valid_S = jnp.arange(s) <= slot
-    x = model.embed_tokens[...][tok_R].astype(model.compute_dtype)
+    x = _on(lay, model.embed_tokens[...][tok_R].astype(model.compute_dtype))
     r = x.shape[0]
     b = r // g
     new_gen = []
@@ -261,7 +342,7 @@ def _step(model, tok_R, pos_R, slot, prompt_kv, prompt_mask_BxP, gen_kv, g):
         new_gen.append((gk, gv))
         x = x + attn.o_proj(_attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_S, g))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.logits(model.norm(x)), tuple(new_gen)
+    return _on(lay, model.logits(model.norm(x))), _on(lay, tuple(new_gen), kv_dim=1)
 
 
 # ---- the two jitted programs ------------------------------------------------------------------
@@ -275,15 +356,16 @@ def _prefill_rows(cfg, b: int, p: int) -> int:
     return rows
 
 
-def _prefill(graphdef, params, cache_B: KVCache, prompt_BxP, mask_BxP):
-    """Runs the B prompts once into their cache; returns (last-position logits [B, V], cache)."""
+def _prefill(graphdef, lay, params, cache_B: KVCache, prompt_BxP, mask_BxP):
+    """Runs the B prompts once into their cache; returns (last-position logits [B, V], cache).
+    `lay`: the placement on a mesh (None: none)."""
     TRACE_COUNTS["prefill"] += 1
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, _sampler_params(params, lay))
     b, p = prompt_BxP.shape
     rows = _prefill_rows(model.cfg, b, p)
     if rows >= b:
         h, cache_B = model.hidden(prompt_BxP, mask_BxT=mask_BxP, cache=cache_B)
-        return model.logits(h[:, -1:])[:, 0], cache_B
+        return _on(lay, model.logits(h[:, -1:])[:, 0]), _on_cache(lay, cache_B)
 
     def chunk(xs):  # `rows` prompts at a time (sequentially), each into a fresh cache
         tok, mask = xs
@@ -297,25 +379,26 @@ def _prefill(graphdef, params, cache_B: KVCache, prompt_BxP, mask_BxP):
     flat = lambda a: a.reshape((b,) + a.shape[2:])  # noqa: E731
     cache_B = KVCache(k=tuple(map(flat, ks)), v=tuple(map(flat, vs)),
                       mask_BxS=mask_BxP.astype(bool), index=jnp.asarray(p, jnp.int32))
-    return flat(logits), cache_B
+    return _on(lay, flat(logits)), _on_cache(lay, cache_B)
 
 
-def _decode(graphdef, st: _Static, params, gen_kv, cache_B: KVCache, logits_BxV, key,
+def _decode(graphdef, st: _Static, lay, params, gen_kv, cache_B: KVCache, logits_BxV, key,
             prompt_ids_B, valid_B):
     """Samples up to T tokens per row; stops when every row has finished.
 
     `gen_kv`: per layer (k [B, K, G, H, S], v [B, K, G, S, H]) with S >= T - 1 (donated;
-    updated in place).
+    updated in place). `lay`: the placement on a mesh (None: none).
     Returns (SampleOutput with [B, G, T] / [B, G] arrays, the final `gen_kv`).
     """
     TRACE_COUNTS["decode"] += 1
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, _sampler_params(params, lay))
     b = logits_BxV.shape[0]
     g, t_max, pad = st.num_samples, st.max_new_tokens, st.pad_id
     r = b * g
 
-    prompt_kv = tuple((k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))  # [B,K,H,P], [B,K,P,H]
-                      for k, v in zip(cache_B.k, cache_B.v))
+    prompt_kv = _on(lay, tuple((k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))  # [B,K,H,P],
+                               for k, v in zip(cache_B.k, cache_B.v)), kv_dim=1)  # [B,K,P,H]
+    gen_kv = _on(lay, gen_kv, kv_dim=1)
     prompt_mask = cache_B.mask_BxS
     pos0_R = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), g)
 
@@ -323,13 +406,14 @@ def _decode(graphdef, st: _Static, params, gen_kv, cache_B: KVCache, logits_BxV,
     sid_R = jnp.tile(jnp.arange(g, dtype=jnp.int32), b)
     keys_R = jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(key, p), s))(pid_R,
                                                                                         sid_R)
-    valid_R = jnp.repeat(valid_B, g)
+    keys_R, valid_R = _on(lay, (keys_R, jnp.repeat(valid_B, g)))
 
-    tok, logp = _select(jnp.repeat(logits_BxV, g, axis=0), keys_R, 0, st)
+    tok, logp = _select(_on(lay, jnp.repeat(logits_BxV, g, axis=0)), keys_R, 0, st)
     tokens = jnp.full((r, t_max), pad, jnp.int32).at[:, 0].set(jnp.where(valid_R, tok, pad))
     logps = jnp.zeros((r, t_max), jnp.float32).at[:, 0].set(jnp.where(valid_R, logp, 0.0))
     lengths = valid_R.astype(jnp.int32)
     done = ~valid_R | _is_eos(tok, st.eos_ids)
+    tokens, logps, lengths, tok, done = _on(lay, (tokens, logps, lengths, tok, done))
 
     def cond(c):
         t, _, _, _, _, _, done = c
@@ -339,43 +423,45 @@ def _decode(graphdef, st: _Static, params, gen_kv, cache_B: KVCache, logits_BxV,
         t, gen_kv, tokens, logps, lengths, last, done = c
         # Step t feeds token t-1 (at position prompt_len + t - 1, generated slot t - 1).
         logits, gen_kv = _step(model, last, pos0_R + t - 1, t - 1, prompt_kv, prompt_mask,
-                               gen_kv, g)
+                               gen_kv, g, lay)
         tok, logp = _select(logits, keys_R, t, st)
         live = ~done
         tokens = jax.lax.dynamic_update_slice(tokens, jnp.where(live, tok, pad)[:, None], (0, t))
         logps = jax.lax.dynamic_update_slice(logps, jnp.where(live, logp, 0.0)[:, None], (0, t))
         lengths = lengths + live.astype(jnp.int32)
         done = done | _is_eos(tok, st.eos_ids)
-        return t + 1, gen_kv, tokens, logps, lengths, tok, done
+        return (t + 1, gen_kv, *_on(lay, (tokens, logps, lengths, tok, done)))
 
     init = (jnp.asarray(1, jnp.int32), gen_kv, tokens, logps, lengths, tok, done)
     _, gen_kv, tokens, logps, lengths, _, _ = jax.lax.while_loop(cond, body, init)
     out = SampleOutput(tokens=tokens.reshape(b, g, t_max), lengths=lengths.reshape(b, g),
                        logprobs=logps.reshape(b, g, t_max))
-    return out, gen_kv
+    return _on(lay, out), gen_kv
 
 
-_JITTED: dict = {}  # (kind, graphdef, static config) -> jitted function
+_JITTED: dict = {}  # (kind, graphdef, static config, layout) -> jitted function
 _JITTED_UNHASHABLE: list = []  # [(key, jitted)] for graphdefs that cannot be hashed
 
 
-def _jitted(kind: str, graphdef, st: _Static | None):
+def _jitted(kind: str, graphdef, st: _Static | None, lay: _Layout | None = None):
     """The jitted prefill (per model definition) or decode (per model definition and static
-    config), built once and cached; jit then keeps one executable per bucket shape. A graphdef
-    whose config holds a dict (e.g. llama3 `rope_scaling`) is unhashable: found by equality."""
-    key = (kind, graphdef, st)
+    config), per mesh layout, built once and cached; jit then keeps one executable per bucket
+    shape. A graphdef whose config holds a dict (e.g. llama3 `rope_scaling`) is unhashable:
+    found by equality."""
+    key = (kind, graphdef, st, lay)
     try:
         return _JITTED[key]
     except TypeError:
         for k, fn in _JITTED_UNHASHABLE:
-            if k[0] == kind and k[2] == st and (k[1] is graphdef or k[1] == graphdef):
+            if (k[0] == kind and k[2] == st and k[3] == lay
+                    and (k[1] is graphdef or k[1] == graphdef)):
                 return fn
     except KeyError:
         pass
     if kind == "prefill":
-        fn = jax.jit(functools.partial(_prefill, graphdef), donate_argnums=(1,))
+        fn = jax.jit(functools.partial(_prefill, graphdef, lay), donate_argnums=(1,))
     else:
-        fn = jax.jit(functools.partial(_decode, graphdef, st), donate_argnums=(1,))
+        fn = jax.jit(functools.partial(_decode, graphdef, st, lay), donate_argnums=(1,))
     try:
         _JITTED[key] = fn
     except TypeError:
@@ -383,9 +469,10 @@ def _jitted(kind: str, graphdef, st: _Static | None):
     return fn
 
 
-def _programs(graphdef, st: _Static):
-    """(prefill, decode) for a model definition and a static sampling configuration."""
-    return _jitted("prefill", graphdef, None), _jitted("decode", graphdef, st)
+def _programs(graphdef, st: _Static, lay: _Layout | None = None):
+    """(prefill, decode) for a model definition, a static sampling configuration and a mesh
+    layout (None: no mesh)."""
+    return _jitted("prefill", graphdef, None, lay), _jitted("decode", graphdef, st, lay)
 
 
 def _gen_slots(max_new_tokens: int) -> int:
@@ -428,7 +515,7 @@ def _check_left_padded(mask: np.ndarray):
 def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: int = 1,
            max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
            eos_ids: Sequence[int] | int | None = (), prompt_ids_B=None,
-           pad_id: int = 0) -> SampleOutput:
+           pad_id: int = 0, mesh: Mesh | None = None) -> SampleOutput:
     """Samples `num_samples` continuations of each of B left-padded prompts.
 
     Args:
@@ -438,11 +525,13 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
       key: PRNG key; row (b, g) uses fold_in(fold_in(key, prompt_ids_B[b]), g), step t folds in t.
       num_samples: G, samples per prompt (the prompt is prefilled once, its cache shared).
       max_new_tokens: T, the per-row token budget.
-      temperature, top_p, top_k: sampling knobs (temperature 0 = greedy, top_p 1 and top_k 0 =
-        off); see the module docstring, also for what they do to `logprobs`.
+      temperature, top_p, top_k: sampling knobs (temperature 0 = greedy, top_p 1 and top_k 0 or
+        None = off); see the module docstring, also for what they do to `logprobs`.
       eos_ids: an id or ids that end a row (the EOS token is part of the output and its length).
       prompt_ids_B: int ids that identify the prompts for the PRNG (default arange(B)).
       pad_id: the token written after a row's end (and used to pad prompts).
+      mesh: the ("data", "fsdp", "tensor") mesh that `params` live on (e.g. the trainer's): rows
+        and caches are placed on it as the module docstring says. None: no placement.
 
     All of num_samples, max_new_tokens, temperature, top_p, top_k, eos_ids and pad_id are static:
     each distinct combination compiles its own programs (cached for the life of the process).
@@ -451,6 +540,7 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
       SampleOutput(tokens [B, G, T] int32, lengths [B, G] int32, logprobs [B, G, T] float32) as
       device arrays.
     """
+    top_k = 0 if top_k is None else top_k
     _check_knobs(temperature, top_p, top_k, num_samples, max_new_tokens)
     if prompt_BxP.ndim != 2 or tuple(prompt_mask_BxP.shape) != tuple(prompt_BxP.shape):
         raise ValueError(f"prompt_BxP {tuple(prompt_BxP.shape)} and prompt_mask_BxP "
@@ -465,7 +555,8 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     if prompt_ids_B is None:
         prompt_ids_B = np.arange(b, dtype=np.int32)
     if tuple(np.shape(prompt_ids_B)) != (b,):
-        raise ValueError(f"prompt_ids_B must have shape ({b},), got {tuple(np.shape(prompt_ids_B))}")
+        raise ValueError(
+            f"prompt_ids_B must have shape ({b},), got {tuple(np.shape(prompt_ids_B))}")
 
     host = not isinstance(prompt_BxP, jax.Array)
     xp = np if host else jnp
@@ -480,13 +571,25 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
 
     model = nnx.merge(graphdef, params)  # cheap: only to read the config and dtype
     cfg, dtype = model.cfg, jnp.dtype(model.dtype)
-    prompt_cache = init_cache(cfg, bb, pb, dtype)
     s = _gen_slots(st.max_new_tokens)
     k_shape = (bb, cfg.num_kv_heads, st.num_samples, cfg.head_dim, s)
     v_shape = (bb, cfg.num_kv_heads, st.num_samples, s, cfg.head_dim)
-    gen_kv = tuple((jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype))
-                   for _ in range(cfg.num_layers))
-    prefill, decode = _programs(graphdef, st)
+    lay = _layout(mesh, cfg, bb)
+    if lay is None:
+        prompt_cache = init_cache(cfg, bb, pb, dtype)
+        gen_kv = tuple((jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype))
+                       for _ in range(cfg.num_layers))
+    else:  # every array created or placed where the programs keep it (no later reshard)
+        rows = _spec(lay)
+        tokens, mask, ids, valid = (jax.device_put(x, rows) for x in (tokens, mask, ids, valid))
+        key = jax.device_put(key, NamedSharding(mesh, P()))
+        shapes = jax.eval_shape(lambda: init_cache(cfg, bb, pb, dtype))
+        prompt_cache = jax.tree.map(lambda a, sh: jnp.zeros(a.shape, a.dtype, device=sh),
+                                    shapes, _cache_shardings(lay, cfg.num_layers))
+        gen_sh = _spec(lay, kv_dim=1)
+        gen_kv = tuple((jnp.zeros(k_shape, dtype, device=gen_sh),
+                        jnp.zeros(v_shape, dtype, device=gen_sh)) for _ in range(cfg.num_layers))
+    prefill, decode = _programs(graphdef, st, lay)
     logits, prompt_cache = prefill(params, prompt_cache, tokens, mask)
     out, _ = decode(params, gen_kv, prompt_cache, logits, key, ids, valid)
     if bb != b:

@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from sage_jax import batching, build, checkpoint, config as config_lib, metrics as metrics_lib
-from sage_jax import evaluate, parallel, rewards, rollout, update
+from sage_jax import distributed, evaluate, parallel, rewards, rollout, update
 from sage_jax.tasks import data as data_lib
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "toy.yaml"
@@ -100,9 +99,11 @@ def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
 
     `stop_after`: stop (with a checkpoint) once this many steps are done in total.
     """
+    distributed.initialize_from_env()  # multi-host: before anything starts a JAX backend
+    distributed.check_same({"workdir": str(workdir), "config": config_lib.to_yaml(cfg)})
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    is_main = jax.process_index() == 0
+    is_main = distributed.is_main()
     if is_main:
         print(config_lib.to_yaml(cfg))
         config_lib.save_config(cfg, workdir / "config.yaml")
@@ -111,10 +112,15 @@ def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
     task = build.load_task(cfg)
     model = build.load_model(cfg)
     examples, data_stats = build.load_examples(cfg, task)
-    print(f"data: {data_stats}; mesh: {dict(mesh.shape)}; model: {model.cfg.family} "
-          f"{model.cfg.num_params() / 1e6:.2f}M params", flush=True)
+    if is_main:
+        print(f"data: {data_stats}; mesh: {dict(mesh.shape)}; model: {model.cfg.family} "
+              f"{model.cfg.num_params() / 1e6:.2f}M params; processes: {jax.process_count()}",
+              flush=True)
     graphdef, state = update.init_train_state(model, cfg, mesh)
     del model
+    if is_main:
+        print(f"per device: params {_device_mib(state.params):.1f} MiB, optimiser "
+              f"{_device_mib(state.opt_state):.1f} MiB (mesh {dict(mesh.shape)})", flush=True)
     tables = rollout.SageTables.empty(len(examples), cfg.hint.cache_bytes)
     state = state.replace(sage=tables.as_dict())
     ckpt = checkpoint.Checkpointer(workdir, keep=cfg.checkpoint.keep)
@@ -122,12 +128,13 @@ def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
     if start is not None:
         state, _ = ckpt.restore(start, target=state)
         tables = rollout.SageTables(**{k: np.array(v) for k, v in state.sage.items()})
-        print(f"resumed from {ckpt.step_dir(start)}", flush=True)
+        if is_main:
+            print(f"resumed from {ckpt.step_dir(start)}", flush=True)
     start = int(state.step)
     step_fn = update.make_train_step(graphdef, cfg, mesh)
     settings = rollout_settings(cfg)
-    scorer = rewards.RewardPool(rewards.get_reward(task.reward_name),
-                                timeout_s=cfg.rl.reward_timeout_s)
+    scorer = distributed.ShardedScorer(rewards.RewardPool(  # each process scores its share
+        rewards.get_reward(task.reward_name), timeout_s=cfg.rl.reward_timeout_s))
     logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.train.steps, is_main=is_main,
                                        resume_step=start)
     eval_problems = None
@@ -154,7 +161,7 @@ def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
                 batch_examples = [examples[i] for i in idx]
                 sampler = batching.PolicySampler(graphdef, state.params, key=state.rng,
                                                  step=step, eos_ids=task.eos_ids,
-                                                 pad_id=task.pad_id)
+                                                 pad_id=task.pad_id, mesh=mesh)
                 timer = metrics_lib.Timer()
                 ro = rollout.run(batch_examples, idx, task=task,
                                  sampler=_timed(sampler, timer, "sample"),
@@ -163,9 +170,13 @@ def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
                 batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
                                              adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id)
                 with timer("update"):
-                    state, upd = step_fn(state, parallel.shard_batch(batch, mesh))
+                    n_rows = len(batch["advantages_N"])
+                    mine = parallel.local_rows(n_rows, mesh)  # this process's rows
+                    state, upd = step_fn(state, parallel.shard_batch(
+                        {k: v[mine] for k, v in batch.items()}, mesh, global_rows=n_rows))
                     upd = jax.device_get(upd)
-                state = state.replace(data_position=jnp.asarray(position, jnp.int32))
+                state = state.replace(
+                    data_position=parallel.replicate(np.int32(position), mesh))
                 _check_finite(upd, step, last_saved, workdir)
                 elapsed = time.perf_counter() - t_step
                 metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics,
@@ -179,11 +190,13 @@ def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
                 if cfg.train.samples_every and (step + 1) % cfg.train.samples_every == 0:
                     logger.log_samples(step + 1, sample_records(ro, batch_examples, task))
                 done = step + 1
-                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop.requested:
+                stopping = distributed.any_process(stop.requested)  # all hosts stop together
+                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stopping:
                     save(done)
-                if stop.requested:
-                    print(f"stopped at step {done}; re-run the same command to resume",
-                          flush=True)
+                if stopping:
+                    if is_main:
+                        print(f"stopped at step {done}; re-run the same command to resume",
+                              flush=True)
                     return metrics
             save(int(state.step))
     finally:
@@ -201,6 +214,16 @@ def run_eval(cfg, graphdef, params, task, problems, scorer) -> dict[str, float]:
         max_new_tokens=e.max_new_tokens, key=jax.random.PRNGKey(cfg.train.seed + 7),
         scorer=scorer.score)
     return evaluate.eval_metrics(result)
+
+
+def _device_mib(tree) -> float:
+    """MiB that the first local device holds of the arrays of `tree`."""
+    dev = jax.local_devices()[0]
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            total += sum(s.data.nbytes for s in x.addressable_shards if s.device == dev)
+    return total / 2**20
 
 
 def _timed(fn, timer, name):
@@ -240,12 +263,14 @@ def run(cfg, workdir) -> dict:
     """`train`, and around it for the built-in toy task: the calibration gate before RL on a
     fresh run, the no-hint evaluation by difficulty and summary.md/.png after."""
     from sage_jax.tasks import toy_job
+    distributed.initialize_from_env()  # before anything below starts a JAX backend
     fresh = not (Path(workdir) / "checkpoints").is_dir()
-    if fresh and toy_job.is_default_toy_run(cfg) and cfg.task.toy.calibrate:
+    if (fresh and toy_job.is_default_toy_run(cfg) and cfg.task.toy.calibrate
+            and distributed.is_main()):
         Path(workdir).mkdir(parents=True, exist_ok=True)
         toy_job.before_rl(cfg, workdir, build.load_model(cfg))
     metrics = train(cfg, workdir)
-    if jax.process_index() == 0:
+    if distributed.is_main():
         toy_job.after_rl(cfg, workdir)
     return metrics
 

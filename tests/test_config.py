@@ -142,8 +142,12 @@ def test_cross_field_checks():
     with pytest.raises(ConfigError, match="set data.hint_key"):
         load_config(None, ["hint.source=column"])
     load_config(None, ["hint.source=column", "data.hint_key=hint"])
-    with pytest.raises(ConfigError, match="mesh axis"):
-        load_config(None, ["mesh.data=-1", "mesh.fsdp=-1"])
+    with pytest.raises(ConfigError, match="mesh.fsdp and mesh.tensor"):
+        load_config(None, ["mesh.fsdp=-1", "mesh.tensor=-1"])
+    # fsdp (or tensor) = -1 takes the devices; data's default -1 then counts as 1
+    assert load_config(None, ["mesh.fsdp=-1"]).mesh.sizes() == (1, -1, 1)
+    assert load_config(None, ["mesh.data=2", "mesh.fsdp=-1"]).mesh.sizes() == (2, -1, 1)
+    assert load_config(None, []).mesh.sizes() == (-1, 1, 1)
 
 
 def test_yaml_round_trip(tmp_path):

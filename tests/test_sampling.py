@@ -46,7 +46,8 @@ def _teacher_forced_logprobs(model, prompts, out, num_samples=1):
     graphdef, params = nnx.split(model)
     logits = jax.jit(lambda p, s, m: models.apply(graphdef, p, s, mask_BxT=m))(params, seq, mask)
     logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-    res = np.take_along_axis(logp[np.arange(rows)[:, None], cols], out.tokens[..., None], -1)[..., 0]
+    at = logp[np.arange(rows)[:, None], cols]  # [rows, T, V]
+    res = np.take_along_axis(at, out.tokens[..., None], -1)[..., 0]
     return np.where(np.arange(t)[None] < out.lengths[:, None], res, 0.0).astype(np.float32)
 
 

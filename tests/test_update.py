@@ -82,6 +82,7 @@ def test_adamw_first_step_and_clip():
 def test_make_mesh_fills_and_checks():
     assert dict(parallel.make_mesh(MeshConfig(-1, 2, 1)).shape) == dict(data=4, fsdp=2, tensor=1)
     assert dict(parallel.make_mesh(MeshConfig(1, -1, 2)).shape) == dict(data=1, fsdp=4, tensor=2)
+    assert dict(parallel.make_mesh(MeshConfig(-1, -1, 2)).shape) == dict(data=1, fsdp=4, tensor=2)
     with pytest.raises(ValueError, match="product is 8"):
         parallel.make_mesh(MeshConfig(3, 1, 1))
     with pytest.raises(ValueError, match="do not divide the 8 devices"):

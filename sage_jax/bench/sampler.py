@@ -1,4 +1,4 @@
-"""Sampler throughput on a shared peer workload: `python -m sage_jax.bench sampler --workload small`.
+"""Sampler throughput on a peer workload: `python -m sage_jax.bench sampler --workload small`.
 
 Times one `sampling.sample` call over the workload's prompts (num_prompts x samples_per_prompt
 rows, prompt_len tokens each, exactly max_new_tokens new tokens: no EOS id is given, so no row

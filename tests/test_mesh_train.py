@@ -1,0 +1,129 @@
+"""A full training step -- rollout on the trainer's sharded weights, rewards, SAGE hints and
+hinted re-sampling, the update -- on 8 fake CPU devices gives the same samples, metrics and
+parameters as on one device, for meshes over data, fsdp and tensor."""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sage_jax import batching, config, models, parallel, rollout, sampling, train, update
+from sage_jax.tasks import toy
+from sage_jax.tasks.data import Example
+
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]
+PROMPTS, GROUP, NEW = 8, 2, 8
+# Dims split 8 ways where the partition rules split them: hidden 64 (fsdp), 16 query / 8 KV
+# heads of 8 (tensor; the KV caches' head axis too), MLP 128, char vocabulary 128.
+MODEL = toy.toy_model_config(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=16,
+                             num_kv_heads=8, head_dim=8)
+CFG = config.Config(
+    model=config.ModelConfig(dtype="float32", compute_dtype="float32", remat=False),
+    rl=config.RLConfig(method="sage", prompts_per_step=PROMPTS, group_size=GROUP,
+                       max_new_tokens=NEW, minibatches=2, temperature=1.0),
+    data=config.DataConfig(hint_key="hint"), hint=config.HintConfig(source="column"),
+    # lr 1e-4: AdamW's first steps, g / (|g| + eps), amplify the float noise of gradients near
+    # zero (the gradients themselves agree to ~5e-7 of each leaf's scale), so the parameters'
+    # differences scale with lr; at 1e-3 they reach ~2.5e-5.
+    optim=config.OptimConfig(lr=1e-4),
+    train=config.TrainConfig(steps=1))
+# Reference hints in the dataset column (hint.source=column), so hinted groups re-sample.
+# 3-step problems: every hinted prompt (levels 1-3) fits one prompt bucket (fewer compiles).
+EXAMPLES = [Example(problem=p.text, answer=p.answer, solution=p.solution,
+                    hint=toy.hint_payload(toy.reference_hints(p)), index=i)
+            for i, p in enumerate(toy.make_problems(PROMPTS, toy.ToySpec(3, 3), seed=3))]
+
+
+def digit_scorer(responses, ground_truths):
+    """1 when the answer holds a digit. A random tiny model never solves a toy problem (every
+    group would collapse to 0 and the update would see zero advantages); with this, about half
+    the answers score, so groups are mixed and some prompts stay unresolved and get hints."""
+    return np.array([float(any(c.isdigit() for c in r)) for r in responses], np.float32), {}
+
+
+def one_step(shape):
+    """One training step on a (data, fsdp, tensor) mesh, wired as `train.train` wires it."""
+    t0 = time.perf_counter()
+    devices = jax.devices()[:1] if shape == (1, 1, 1) else None
+    mesh = parallel.make_mesh(config.MeshConfig(*shape), devices)
+    train.check_fits(CFG, mesh)
+    task = toy.ToyTask()
+    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)), CFG, mesh)
+    idx = np.arange(PROMPTS)
+    tables = rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes)
+    sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
+                                     eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh)
+    ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
+                     scorer=digit_scorer, settings=train.rollout_settings(CFG), tables=tables,
+                     step=0)
+    # Greedy samples of the final (partly hinted) contexts, straight from the array API.
+    tok, mask = batching.left_pad(ro.prompts, sampling.prompt_bucket(
+        max(len(p) for p in ro.prompts)), task.pad_id)
+    greedy = sampling.sample(graphdef, state.params, tok, mask, key=jax.random.PRNGKey(1),
+                             num_samples=GROUP, max_new_tokens=NEW, temperature=0.0,
+                             eos_ids=task.eos_ids, prompt_ids_B=idx, pad_id=task.pad_id,
+                             mesh=mesh)
+    batch = batching.train_batch(ro, loss_context=CFG.rl.loss_context,
+                                 adv_scale=CFG.rl.adv_scale, pad_id=task.pad_id)
+    before = jax.tree.map(np.asarray, state.params)  # (the step donates the state)
+    state, upd = update.make_train_step(graphdef, CFG, mesh)(state,
+                                                             parallel.shard_batch(batch, mesh))
+    return dict(mesh=mesh, samples=ro.samples, rewards=ro.rewards, level=ro.level,
+                rollout={k: v for k, v in ro.metrics.items() if not k.startswith("time/")},
+                greedy=greedy, greedy_host=jax.device_get(greedy), update=jax.device_get(upd),
+                params=jax.tree.map(np.asarray, state.params), before=before,
+                seconds=time.perf_counter() - t0)
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = one_step((1, 1, 1))
+    # The step is not trivial: hinted groups were re-sampled, advantages are non-zero.
+    assert ref["rollout"]["hint/used_level_1"] > 0, ref["rollout"]
+    assert 0 < ref["rewards"].mean() < 1 and ref["update"]["grad_norm"] > 0
+    assert max_diff(ref["params"], ref["before"]) > 1e-4  # the 2 updates moved the weights
+    return ref
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_training_step_on_a_mesh_equals_one_device(shape, reference, capsys):
+    got = one_step(shape)
+    ref = reference
+    # The sampler's outputs live on the mesh, rows split over data x fsdp.
+    rows = NamedSharding(got["mesh"], P(parallel.ROWS))
+    assert got["greedy"].tokens.sharding.is_equivalent_to(rows, 3), got["greedy"].tokens.sharding
+    # Rollout: the same tokens (sampled with per-row keys, then greedy), rewards, hint levels.
+    for k in ("tokens", "lengths"):
+        np.testing.assert_array_equal(getattr(got["samples"], k), getattr(ref["samples"], k))
+        np.testing.assert_array_equal(getattr(got["greedy_host"], k),
+                                      getattr(ref["greedy_host"], k))
+    np.testing.assert_array_equal(got["rewards"], ref["rewards"])
+    np.testing.assert_array_equal(got["level"], ref["level"])
+    assert got["rollout"].keys() == ref["rollout"].keys()
+    for k, v in ref["rollout"].items():
+        np.testing.assert_equal(got["rollout"][k], v, err_msg=k)  # NaN == NaN here
+    d_logp = max_diff(got["samples"].logprobs, ref["samples"].logprobs)
+    d_greedy = max_diff(got["greedy_host"].logprobs, ref["greedy_host"].logprobs)
+    # Update: metrics and parameters.
+    # The metric closest to its tolerance (|diff| <= 1e-7 + 1e-5 |ref|), and its diff.
+    worst = max(ref["update"], key=lambda k: abs(got["update"][k] - ref["update"][k])
+                / (1e-7 + 1e-5 * abs(ref["update"][k])))
+    d_worst = abs(got["update"][worst] - ref["update"][worst])
+    d_params = max_diff(got["params"], ref["params"])
+    with capsys.disabled():
+        print(f"\nmesh {shape}: rollout logprob diff {d_logp:.1e}, greedy logprob diff "
+              f"{d_greedy:.1e}, worst metric {worst} {ref['update'][worst]:.3g} +- {d_worst:.1e}, "
+              f"max |param diff| {d_params:.1e} ({got['seconds']:.1f}s; 1 device "
+              f"{ref['seconds']:.1f}s)", end="")
+    assert d_logp < 1e-5 and d_greedy < 1e-5
+    for k, v in ref["update"].items():
+        np.testing.assert_allclose(got["update"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert d_params < 1e-5

@@ -1,0 +1,138 @@
+"""Multi-host: two JAX processes on this machine (a local coordinator, 4 CPU devices each, gloo
+collectives) train two steps as one 8-device run and write one checkpoint that a single process
+restores; plus the environment rules of `distributed.initialize_from_env`."""
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from sage_jax import build, distributed
+from sage_jax.metrics import read_metrics
+
+WORKER = Path(__file__).with_name("multihost_worker.py")
+TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers(workdir: Path, reports: list[Path]) -> None:
+    """Runs the worker script as processes 0 and 1 of one JAX cluster (4 CPU devices each)."""
+    port = _free_port()
+    procs, logs = [], []
+    for i, report in enumerate(reports):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                   JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
+        log = open(report.with_suffix(".log"), "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(workdir), str(report)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                break  # a hang, or one worker failed (the other would wait for it)
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    out = []
+    for i, log in enumerate(logs):
+        log.seek(0)
+        out.append(f"---- worker {i} (exit {codes[i]}) ----\n{log.read()[-6000:]}")
+        log.close()
+    if codes != [0, 0]:
+        pytest.fail("multi-host workers failed:\n" + "\n".join(out))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(workdir, [report of process 0, of process 1]) of one two-process run."""
+    tmp = tmp_path_factory.mktemp("multihost")
+    workdir, reports = tmp / "run", [tmp / f"process{i}.json" for i in range(2)]
+    _run_workers(workdir, reports)
+    return workdir, [json.loads(r.read_text()) for r in reports]
+
+
+def test_two_processes_train_and_a_single_process_restores(cluster):
+    workdir, (r0, r1) = cluster
+    for i, r in enumerate((r0, r1)):
+        assert (r["process_index"], r["process_count"]) == (i, 2)
+        assert (r["devices"], r["local_devices"]) == (8, 4)
+        assert r["restored_step"] == 2 and np.isfinite(r["loss"])
+    assert r0["params"] == r1["params"]  # one SPMD program: identical state on both hosts
+
+    # Only process 0 wrote run files: one metrics line per step, one config.
+    rows = read_metrics(workdir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["loss"] == pytest.approx(r0["loss"])
+    assert rows[-1]["reward/mean"] == pytest.approx(r0["reward"])
+    samples = (workdir / "samples.jsonl").read_text().splitlines()
+    assert sorted({json.loads(x)["step"] for x in samples}) == [1, 2] and len(samples) == 8
+    assert (workdir / "config.yaml").is_file()
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"]
+
+    # One process (8 local devices) restores the two-process checkpoint.
+    _, model, step = build.restore_policy(workdir)
+    assert step == 2
+    flat = {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert set(flat) == set(r0["params"])
+    for k, v in flat.items():
+        assert np.all(np.isfinite(v)), k
+        assert hashlib.sha256(v.tobytes()).hexdigest() == r0["params"][k], k
+
+
+def test_two_processes_helpers(cluster):
+    """Rewards scored where the text is and gathered, flags, consistency check, batch rows."""
+    for i, r in enumerate(h["helpers"] for h in cluster[1]):
+        assert r["process_index"] == i
+        assert r["scores"] == list(range(7)) and r["stats"] == {"n": 7}
+        assert r["empty"] == [] and r["any"] is True
+        assert "disagree on workdir:" in r["mismatch"]  # only the entry that differs
+        assert r["local_rows"] == [8 * i, 8 * i + 8]  # process i's 4 devices hold 8 rows
+        assert r["batch_ok"] and r["batch_sharded"] and r["replicated"] == 7
+
+
+def test_environment_rules():
+    rules = distributed.cluster_from_env
+    assert rules({}) is None
+    explicit = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
+                "JAX_PROCESS_ID": "3"}
+    assert rules(explicit) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
+                               "process_id": 3}
+    assert rules({**explicit, "SAGE_JAX_DISTRIBUTED": "0"}) is None
+    assert rules({**explicit, "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}) is None
+    with pytest.raises(distributed.DistributedError, match="JAX_PROCESS_ID"):
+        rules({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2"})
+    with pytest.raises(distributed.DistributedError, match="0 .. JAX_NUM_PROCESSES-1"):
+        rules({**explicit, "JAX_PROCESS_ID": "4"})
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2",
+             "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    assert rules(slurm) == {}  # JAX auto-detects the rest
+    assert rules({**slurm, "SLURM_NTASKS": "1"}) is None
+    assert rules({"SAGE_JAX_DISTRIBUTED": "1"}) == {}
+    assert distributed.initialize_from_env({}) is False  # single process: a no-op
+    # Host-side row split and gathers, single-process forms.
+    assert [distributed.process_rows(10, p, 3) for p in range(3)] == [
+        slice(0, 4), slice(4, 8), slice(8, 10)]
+    assert distributed.process_rows(1, 2, 3) == slice(1, 1)
+    np.testing.assert_array_equal(distributed.gather_rows(np.arange(5), 5), np.arange(5))
+    assert distributed.any_process(True) and not distributed.any_process(False)
