@@ -28,7 +28,13 @@ def load_task(cfg, model_path: str | None = None):
 
 def load_model(cfg) -> models.Decoder:
     """The policy at its starting point: model.path, or the built-in toy model (its SFT warm
-    start when task.toy.warm_start, else randomly initialised)."""
+    start when task.toy.warm_start, else randomly initialised); `model.remat` set on it."""
+    model = _load_weights(cfg)
+    model.remat = cfg.model.remat  # recompute each layer in the backward pass (a static flag)
+    return model
+
+
+def _load_weights(cfg) -> models.Decoder:
     dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
     if cfg.model.path:
         return models.from_hf(cfg.model.path, dtype=dtype, compute_dtype=cdtype)

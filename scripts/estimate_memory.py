@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Per-device memory of a training run, before renting the machines (`sage_jax.memory`).
+
+    python scripts/estimate_memory.py --config configs/paper_qwen2.5-7b.yaml \
+        --preset qwen2.5-7b --mesh 1,64,1 --hbm-gib 16 [--micro-batch 64] [--json]
+    python scripts/estimate_memory.py --config configs/paper_qwen2.5-7b.yaml \
+        model.path=/models/Qwen2.5-7B-Instruct --devices 8 --hbm-gib 80
+
+The model's dimensions come from, in order: --hf-config FILE (a Hugging Face config.json),
+--preset NAME, model.path/config.json, or the toy model for task.name=toy. The mesh is
+--mesh data,fsdp,tensor, or the config's mesh.* with its -1 axis filled from --devices N.
+Anything after the flags is a `section.key=value` override of the config (e.g.
+rl.micro_batch_size=64 model.remat=false). Nothing is allocated; no accelerator is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sage_jax import config as config_lib, memory, models, sampling  # noqa: E402
+
+# Dimensions typed in from the public Hugging Face config.json files of these checkpoints
+# (nothing can be downloaded here). The qwen3-4b and llama3.2-3b values are identical to the
+# copies in ../shared/data/tokenizers/*/config.json; qwen2.5-7b is Qwen/Qwen2.5-7B-Instruct's.
+PRESETS = {
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064,
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "max_position_embeddings": 32768, "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen3-4b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 5000000, "tie_word_embeddings": True,
+        "max_position_embeddings": 262144, "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151645},
+    "llama3.2-3b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "max_position_embeddings": 131072, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", help="the trainer's YAML (default: the built-in defaults)")
+    ap.add_argument("--hf-config", help="a Hugging Face config.json with the model's dims")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="built-in model dims")
+    ap.add_argument("--devices", type=int, help="device count that fills the mesh's -1 axis")
+    ap.add_argument("--mesh", help="data,fsdp,tensor sizes, e.g. 1,64,1")
+    ap.add_argument("--hbm-gib", type=float, help="memory per device (GiB), to print headroom")
+    ap.add_argument("--prompts", type=int, help="prompts per step (rl.prompts_per_step)")
+    ap.add_argument("--group-size", type=int, help="answers per prompt (rl.group_size)")
+    ap.add_argument("--prompt-len", type=int, help="longest prompt (data.max_prompt_tokens)")
+    ap.add_argument("--max-new-tokens", type=int, help="longest answer (rl.max_new_tokens)")
+    ap.add_argument("--micro-batch", type=int, help="rows per micro-batch, all devices "
+                    "(rl.micro_batch_size)")
+    ap.add_argument("--sample-prompts", type=int, help="prompts per sampling call (default: "
+                    "all the step's prompts at once, as the rollout does)")
+    ap.add_argument("--chunk", type=int, default=memory.update.DEFAULT_CHUNK,
+                    help="log-prob chunk columns (0 = none)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    return ap.parse_args(argv)
+
+
+def model_config(args, cfg) -> tuple[models.ModelConfig, str]:
+    """(decoder dims, where they came from)."""
+    if args.hf_config:
+        return models.ModelConfig.from_hf_dict(json.loads(Path(args.hf_config).read_text()),
+                                               source=args.hf_config), args.hf_config
+    if args.preset:
+        return models.ModelConfig.from_hf_dict(PRESETS[args.preset]), f"preset {args.preset}"
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        return models.ModelConfig.from_hf_dir(cfg.model.path), cfg.model.path
+    if cfg.task.name == "toy" and not cfg.model.path:
+        from sage_jax.tasks import toy
+        return toy.toy_model_config(), "the built-in toy model"
+    raise SystemExit(f"model.path={cfg.model.path!r} has no config.json: pass --hf-config FILE "
+                     f"or --preset {{{','.join(sorted(PRESETS))}}}")
+
+
+def mesh_shape(args, cfg) -> dict:
+    if args.mesh:
+        sizes = [int(x) for x in args.mesh.split(",")]
+        if len(sizes) != 3 or min(sizes) < 1:
+            raise SystemExit(f"--mesh {args.mesh!r}: expected three sizes data,fsdp,tensor")
+    else:
+        sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if not args.devices or args.devices % known:
+                raise SystemExit(f"mesh {sizes} has a -1 axis: pass --devices N (a multiple of "
+                                 f"{known}) or --mesh data,fsdp,tensor")
+            sizes[sizes.index(-1)] = args.devices // known
+    if args.devices and math.prod(sizes) != args.devices:
+        raise SystemExit(f"mesh {sizes} holds {math.prod(sizes)} devices, not --devices "
+                         f"{args.devices}")
+    return dict(zip(("data", "fsdp", "tensor"), sizes))
+
+
+def run_estimate(args):
+    """(Estimate, settings dict) for the parsed command line."""
+    cfg = config_lib.load_config(args.config, args.overrides)
+    mcfg, source = model_config(args, cfg)
+    rl, m = cfg.rl, cfg.model
+    prompts = args.prompts or rl.prompts_per_step
+    group = args.group_size or rl.group_size
+    settings = dict(
+        model=source, num_params=mcfg.num_params(), mesh=mesh_shape(args, cfg),
+        prompts=prompts, group_size=group, rows_per_step=prompts * group,
+        prompt_len=args.prompt_len or cfg.data.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens or rl.max_new_tokens, minibatches=rl.minibatches,
+        micro_batch_rows=args.micro_batch or rl.micro_batch_size or prompts * group
+        // rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
+        master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=args.chunk or None,
+        sample_prompts=args.sample_prompts or prompts)
+    est = memory.estimate(
+        mcfg, mesh_shape=settings["mesh"], rows_per_step=settings["rows_per_step"],
+        micro_batch_rows=settings["micro_batch_rows"], prompt_len=settings["prompt_len"],
+        max_new_tokens=settings["max_new_tokens"], group_size=group,
+        minibatches=rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
+        master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=settings["logprob_chunk"],
+        sample_prompts=settings["sample_prompts"])
+    return est, settings
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def table(est, s, hbm_gib=None) -> str:
+    gib = lambda b: f"{b / memory.GIB:10.2f}"  # noqa: E731
+    mesh = s["mesh"]
+    shards = mesh["data"] * mesh["fsdp"]
+    length = sampling.prompt_bucket(s["prompt_len"]) + s["max_new_tokens"]
+    lines = [
+        f"model: {s['model']} ({_count(s['num_params'])} params); mesh data={mesh['data']} "
+        f"fsdp={mesh['fsdp']} tensor={mesh['tensor']} ({math.prod(mesh.values())} devices)",
+        f"step: {s['prompts']} prompts x {s['group_size']} answers, rows of "
+        f"{sampling.prompt_bucket(s['prompt_len'])}+{s['max_new_tokens']} = {length} tokens; "
+        f"micro-batch {s['micro_batch_rows']} rows ({s['micro_batch_rows'] // shards} per "
+        f"device); {s['param_dtype']} params, {s['compute_dtype']} compute, master_fp32="
+        f"{s['master_fp32']}, remat={s['remat']}, log-prob chunk {s['logprob_chunk']}; "
+        f"sampler: {s['sample_prompts']} prompts a call",
+        f"{'per device':<34}{'GiB':>10}",
+        f"  {'params (' + s['param_dtype'] + ')':<32}{gib(est.params)}",
+        f"  {'master (float32 extra)':<32}{gib(est.master)}",
+        f"  {'optimiser (AdamW mu, nu)':<32}{gib(est.optimizer)}",
+        f"  {'grads (accumulator)':<32}{gib(est.grads)}",
+        f"  {'sampler weights (fsdp gathered)':<32}{gib(est.sampler_weights)}",
+        f"  {'KV cache (sampler)':<32}{gib(est.kv_cache)}",
+        f"  {'sampler transient':<32}{gib(est.sampler_work)}",
+        f"  {'activations (update)':<32}{gib(est.activations)}",
+    ]
+    lines += [f"    {k:<30}{gib(v)}" for k, v in est.terms.items()]
+    lines += [f"  {'sampling peak':<32}{gib(est.sampling_peak)}",
+              f"  {'update peak':<32}{gib(est.update_peak)}",
+              f"  {'total (peak)':<32}{gib(est.total)}"]
+    if hbm_gib:
+        lines.append(f"  {'headroom of ' + f'{hbm_gib:g} GiB':<32}"
+                     f"{gib(hbm_gib * memory.GIB - est.total)}"
+                     + ("   DOES NOT FIT" if est.total > hbm_gib * memory.GIB else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    est, settings = run_estimate(args)
+    if args.json:
+        out = dict(settings, **est.as_dict())
+        if args.hbm_gib:
+            out["headroom"] = int(args.hbm_gib * memory.GIB - est.total)
+        print(json.dumps(out))
+    else:
+        print(table(est, settings, args.hbm_gib))
+
+
+if __name__ == "__main__":
+    main()
