@@ -27,6 +27,7 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     assert (cached / "model.safetensors").is_file() and (cached / "sft.json").is_file()
     assert json.loads((cached / "sft.json").read_text())["steps"] == 12
     assert "warm start: SFT of the toy model" in out
+    assert "per device: params 3.3 MiB, optimiser 6.6 MiB" in out  # 0.87M float32 params
     # the gate was measured and printed before RL
     cal = json.loads((run / "calibration.json").read_text())
     assert set(cal["gate"]) == {"all_zero", "l3_above_no_hint", "passed"}

@@ -28,7 +28,7 @@ from sage_jax import sage, sft
 from sage_jax.models.decoder import Decoder
 from sage_jax.tasks import toy
 
-SFT_DEFAULTS = dict(steps=2500, batch_size=32, lr=1e-3, warmup=50, target_step_acc=0.87,
+SFT_DEFAULTS = dict(steps=3000, batch_size=32, lr=3e-3, warmup=50, target_step_acc=0.87,
                     eval_every=10, eval_per_length=8, bucket=64)
 GATE_ALL_ZERO = 0.35  # at least this share of groups all-zero at step 0
 GATE_L3_MARGIN = 0.10  # level-3 pass rate at the hardest length at least this above no hint
