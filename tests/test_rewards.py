@@ -234,7 +234,9 @@ def test_pool_hostile_inputs_score_zero_quickly(pool):
     elapsed = time.monotonic() - start
     assert elapsed < HANG_GUARD_S
     np.testing.assert_array_equal(scores, [0, 0, 0, 0, 0, 1])
-    assert stats["timeouts"] >= 2  # the power and the 300-deep nesting
+    # The power tower always outlasts the limit; whether the 300-deep nesting does depends on
+    # the machine's speed (it parsed in time, scoring 0, in one CI run), so it is not counted.
+    assert stats["timeouts"] >= 1
     assert stats["rejected"] >= 2  # the 20,000-char box and the 3 MB text
     assert stats["errors"] == 0
 
