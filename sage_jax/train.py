@@ -261,16 +261,17 @@ def parse(argv=None):
 
 def run(cfg, workdir) -> dict:
     """`train`, and around it for the built-in toy task: the calibration gate before RL on a
-    fresh run, the no-hint evaluation by difficulty and summary.md/.png after."""
+    fresh run, the no-hint evaluation by difficulty and summary.md/.png after (single-process
+    runs only: the toy job is a one-machine testbed)."""
     from sage_jax.tasks import toy_job
     distributed.initialize_from_env()  # before anything below starts a JAX backend
+    toy_extras = toy_job.is_default_toy_run(cfg) and jax.process_count() == 1
     fresh = not (Path(workdir) / "checkpoints").is_dir()
-    if (fresh and toy_job.is_default_toy_run(cfg) and cfg.task.toy.calibrate
-            and distributed.is_main()):
+    if toy_extras and fresh and cfg.task.toy.calibrate:
         Path(workdir).mkdir(parents=True, exist_ok=True)
         toy_job.before_rl(cfg, workdir, build.load_model(cfg))
     metrics = train(cfg, workdir)
-    if distributed.is_main():
+    if toy_extras:
         toy_job.after_rl(cfg, workdir)
     return metrics
 
