@@ -45,12 +45,17 @@ def fmt(values, digits: int = 3) -> str:
     return f"{m:.{digits}f}" + ("" if math.isnan(h) else f" ± {h:.{digits}f}")
 
 
+def _int_keys(result: dict) -> dict:
+    """A result read back from JSON, its accuracy keyed by int length again."""
+    return {**result, "accuracy": {int(k): v for k, v in result["accuracy"].items()}}
+
+
 def run_one(method: str, seed: int, steps: int, out: Path, overrides: list[str]) -> dict:
     """Trains (or resumes) one run and evaluates it; the result is cached in the run folder."""
     wd = out / "runs" / f"{method}-s{seed}"
     done = wd / "study.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        return _int_keys(json.loads(done.read_text()))
     cfg = config.load_config(train.DEFAULT_CONFIG, [
         f"rl.method={method}", f"train.seed={seed}", f"train.steps={steps}",
         "task.toy.calibrate=false", "task.toy.report=false", "train.samples_every=0",
@@ -77,7 +82,7 @@ def start_accuracy(seeds, out: Path, overrides: list[str]) -> list[dict]:
     """No-hint accuracy of the SFT start itself, with each seed's sampling key."""
     path = out / "sft_start.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        return [_int_keys(r) for r in json.loads(path.read_text())]
     cfg = config.load_config(train.DEFAULT_CONFIG, overrides)
     model = build.load_model(cfg)
     res = [{"seed": s, "accuracy": toy_job.accuracy_by_length(model, cfg, seed=s)}
@@ -89,9 +94,8 @@ def start_accuracy(seeds, out: Path, overrides: list[str]) -> list[dict]:
 def report(results: list[dict], start: list[dict], methods: list[str], out: Path,
            cfg_note: str) -> str:
     by = {m: [r for r in results if r["method"] == m] for m in methods}
-    ks = sorted({int(k) for r in results for k in r["accuracy"]}, key=int)
-    acc = lambda rs, k: [r["accuracy"][str(k)] if str(k) in r["accuracy"]  # noqa: E731
-                         else r["accuracy"][k] for r in rs]
+    ks = sorted({k for r in results for k in r["accuracy"]})
+    acc = lambda rs, k: [r["accuracy"][k] for r in rs]  # noqa: E731
     cols = ["SFT start", *methods]
     lines = ["# Toy reproduction study", "", cfg_note, "",
              "## No-hint accuracy by difficulty (mean ± 95% t-interval over seeds)", "",
@@ -131,8 +135,7 @@ def plots(by, start, methods, ks, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, rs in [("SFT start", start)] + [(m, by[m]) for m in methods]:
-        ms, hs = zip(*[interval([r["accuracy"].get(str(k), r["accuracy"].get(k))
-                                 for r in rs]) for k in ks])
+        ms, hs = zip(*[interval([r["accuracy"][k] for r in rs]) for k in ks])
         ax.errorbar(ks, ms, yerr=np.nan_to_num(hs), marker="o", capsize=3, label=name)
     ax.set_xlabel("difficulty (steps k)")
     ax.set_ylabel("no-hint pass rate")
