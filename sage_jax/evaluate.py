@@ -38,6 +38,7 @@ import numpy as np
 
 from sage_jax.rewards import extract_boxed
 from sage_jax.tasks.benchmarks import ALL_BENCHMARKS, BENCHMARKS, Problem, load_benchmark
+from sage_jax.tasks.base import ground_truth
 
 __all__ = ["TOY_BENCHMARK", "aggregate", "eval_metrics", "evaluate_problems", "extract_answer",
            "format_table", "load_problems", "main", "paper_average", "problem_id", "toy_problems"]
@@ -225,7 +226,7 @@ def evaluate_problems(graphdef, params, task,
         for r, i in enumerate(chunk):
             texts[i] = [task.decode(tok_BxKxT[r, g, :len_BxK[r, g]].tolist()) for g in range(k)]
             responses += texts[i]
-            truths += [items[i][1].answer] * k
+            truths += [ground_truth(task, items[i][1])] * k
         got, stats = scorer(responses, truths)
         got = np.asarray(got, np.float32).reshape(len(chunk), k)
         for name, value in (stats or {}).items():

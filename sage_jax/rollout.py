@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from sage_jax import sage
-from sage_jax.tasks.base import Task
+from sage_jax.tasks.base import Task, ground_truth
 from sage_jax.tasks.data import Example
 
 
@@ -160,11 +160,14 @@ def write_hints(indices: Sequence[int], examples: Sequence[Example], task: Task,
     return out, {"too_long": too_long, "failed": len(todo)}
 
 
-def _score(samples: Samples, rows: Sequence[int], examples, task: Task, scorer: Scorer):
+def _score(samples: Samples, rows: Sequence[int], examples, task: Task, scorer: Scorer,
+           hints: dict[int, str | None]):
+    """Rewards [rows, G] and texts of the samples; `hints[i]`: the hint row i was asked with."""
     texts = [[task.decode(samples.tokens[j, g, :samples.lengths[j, g]])
               for g in range(samples.tokens.shape[1])] for j in range(len(rows))]
     flat = [t for row in texts for t in row]
-    gts = [examples[i].answer for i in rows for _ in range(samples.tokens.shape[1])]
+    gts = [ground_truth(task, examples[i], hints.get(i)) for i in rows
+           for _ in range(samples.tokens.shape[1])]
     scores, _ = scorer(flat, gts)
     return np.asarray(scores, np.float32).reshape(len(rows), -1), texts
 
@@ -255,7 +258,7 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
                 prompts[i] = task.hinted_prompt(examples[i].problem, p[lvl])
         tables.hint_level[dataset_ids] = want
     samples = sample(rows, prompts, salt=0)
-    rewards, texts = _score(samples, rows, examples, task, scorer)
+    rewards, texts = _score(samples, rows, examples, task, scorer, dict(enumerate(hints)))
     st = sage.group_status(rewards, collapse_std=s.collapse_std,
                            success_threshold=s.success_threshold)
     metrics["collapse/frac_all_zero"] = float(st["all_zero"].mean())
@@ -281,7 +284,9 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
             ctx = {i: (task.hinted_prompt(examples[i].problem, payloads[i][lvl])
                        if s.method == "sage" else plain[i]) for i in sel}
             got = sample(np.asarray(sel), ctx, salt=lvl)
-            r, tx = _score(got, sel, examples, task, scorer)
+            r, tx = _score(got, sel, examples, task, scorer,
+                           {i: payloads[i][lvl] if s.method == "sage" else None
+                            for i in sel})
             for j, i in enumerate(sel):  # replace the whole group
                 samples.tokens[i], samples.lengths[i] = got.tokens[j], got.lengths[j]
                 samples.logprobs[i] = got.logprobs[j]

@@ -93,11 +93,17 @@ def _two_benchmarks(answers):
             "b": [Problem(texts[i], answers[i], j, "b") for j, i in enumerate((1, 3))]}
 
 
+class _AnswerOnly(toy.ToyTask):
+    """Toy prompts, scored against the problem's answer field (not the toy reference)."""
+
+    reference = None
+
+
 def test_evaluate_problems_maps_scores_back_through_the_length_sort(tiny_toy_policy):
     """Problems of two benchmarks with different prompt lengths are sorted and batched; every
     score, length and text must land on its own (benchmark, problem, sample)."""
     graphdef, params = tiny_toy_policy
-    task = toy.ToyTask()
+    task = _AnswerOnly()
     problems = _two_benchmarks([f"x{i}" for i in range(5)])
     good = {"x1", "x2"}
     k, max_new = 2, 8
@@ -141,7 +147,7 @@ def test_evaluate_problems_maps_scores_back_through_the_length_sort(tiny_toy_pol
     assert again["benchmarks"] == res["benchmarks"]
 
 
-class _BoxedTwelve(toy.ToyTask):
+class _BoxedTwelve(_AnswerOnly):
     """Prompts of the toy task; every answer reads as "... \\boxed{12}" for the math checker."""
 
     reward_name = "math"

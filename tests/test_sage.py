@@ -121,6 +121,36 @@ def test_sage_escalates_only_unresolved_prompts_and_replaces_whole_groups():
     assert m["hint/rescued"] == 0
 
 
+def test_scorer_gets_the_tasks_reference_for_the_context_each_group_was_asked_in():
+    """A task with `reference` (the toy task: the continuation after the hint) is scored
+    against the reference for the hint each group saw; plain and re-sampled groups get the
+    no-hint reference."""
+
+    class RefTask(CharTask):
+        def reference(self, problem, answer, hint=None):
+            return f"{problem}/{hint or '-'}"
+
+    seen = []
+
+    def recording_scorer(responses, gts):
+        seen.extend(zip(responses, gts))
+        return scorer(responses, gts)
+
+    for method, expected in (("sage", {"@0": "-", "@1": "L1", "@2": "L2"}),
+                             ("resample", {"@0": "-"})):
+        seen.clear()
+        ex = make_examples([0, 2])
+        settings = rollout.RolloutSettings(method=method, group_size=G, max_new_tokens=16)
+        rollout.run(ex, np.arange(2), task=RefTask(), sampler=ScriptedPolicy(),
+                    scorer=recording_scorer, settings=settings,
+                    tables=rollout.SageTables.empty(2, hint_width=64), step=0)
+        assert len(seen) == G * (2 + (2 if method == "sage" else 3))
+        for response, gt in seen:
+            problem, hint = gt.split("/")
+            assert problem in ("p0n0", "p1n2")
+            assert hint == expected["@" + response.split("@")[1]]
+
+
 def test_sage_levels_restart_every_step():
     ex = make_examples([0, 2])
     tables = rollout.SageTables.empty(2, hint_width=64)

@@ -46,22 +46,23 @@ def test_generator_is_exact_and_deterministic():
     for p in probs:
         v = p.start
         assert len(p.ops) == p.k and p.ops[:2] == p.pair[:p.k]
-        for j in range(2, p.k):  # same operator as two steps back, operand one up (wrapping)
-            (op, x), (op0, x0) = p.ops[j], p.ops[j - 2]
-            r = toy.OPERANDS[op]
-            assert op == op0 and r.index(x) == (r.index(x0) + 1) % len(r)
-        for op, x in p.ops:
-            tens, units = divmod(v, 10)
-            f = {"+": lambda d: d + x, "-": lambda d: d - x, "*": lambda d: d * x}[op]
-            v = f(tens) % 10 * 10 + f(units) % 10
-            assert x in toy.OPERANDS[op]
-        assert p.answer == str(v % toy.MOD).zfill(toy.WIDTH)
-        assert toy.ToyProblem.parse(p.text) == p
-        assert p.values()[-1] not in p.values()[:-1]  # no intermediate value is the answer
-        for v in (p.start, *p.values()):  # operations permute digits: the two never merge
-            assert v // 10 != v % 10
-        assert p.solution.endswith(";A:" + p.answer)
-        assert len(p.steps()) == p.k
+        facts = set()
+        for j, (op, x) in enumerate(p.ops):
+            assert (op, x) == p.pair[j % 2] and op in "+-" and 1 <= x <= 9
+            facts.add((v, op, x))
+            v = (v + x if op == "+" else v - x) % 10
+            assert p.values()[j] == v
+        assert len(facts) == p.k  # no fact is used twice within a problem
+        assert p.answer == str(v) and toy.ToyProblem.parse(p.text) == p
+        steps = p.steps()
+        assert len(steps) == p.k and p.solution == ";".join(steps) + ";A:" + p.answer
+        starts = [p.start, *p.values()[:-1]]
+        # labelled by the steps left (the last step is 'a'), from, operation, result
+        for j, (step, (op, x)) in enumerate(zip(steps, p.ops)):
+            assert step == f"{toy.LABELS[p.k - 1 - j]}={starts[j]}{op}{x}={p.values()[j]}"
+    # the two operations move the value by an amount coprime to 10: 20 steps, 20 facts
+    for p in _problems(3, toy.ToySpec(20, 20)):
+        assert len(set(zip(p.ops, [p.start, *p.values()[:-1]]))) == 20
 
 
 def test_examples_carry_problem_answer_solution():
@@ -78,6 +79,10 @@ def test_spec_validates():
         toy.ToySpec(0, 3)
     with pytest.raises(ValueError):
         toy.random_problem(np.random.default_rng(0), toy.MAX_STEPS + 1)
+    with pytest.raises(ValueError, match="not a toy problem"):
+        toy.ToyProblem.parse("37*3+4:e")
+    with pytest.raises(ValueError, match="not a toy problem"):
+        toy.ToyProblem.parse("7*3-8:e")
 
 
 # ---- reward ---------------------------------------------------------------------------------
@@ -86,14 +91,49 @@ def test_reward_reference_scores_one_and_wrong_final_number_zero():
     fn = rewards.get_reward("toy")
     assert fn is toy.toy_reward
     pickle.dumps(fn)
+    task = toy.ToyTask()
     for p in _problems(3):
-        assert fn(p.solution, p.answer) == 1.0
-        wrong = str((int(p.answer) + 1) % toy.MOD).zfill(toy.WIDTH)
-        assert fn(p.solution[:-toy.WIDTH] + wrong, p.answer) == 0.0
-        assert fn(p.solution.rsplit("A:", 1)[0], p.answer) == 0.0  # no final answer
-    assert fn("a+1=02;A:7", "07") == 1.0  # the number, not its spelling
-    assert fn("A:12;A:13", "12") == 0.0  # the last answer counts
-    assert fn("", "12") == 0.0 and fn("A:", "12") == 0.0
+        gt = task.reference(p.text, p.answer)
+        assert gt == p.solution
+        assert fn(p.solution, gt) == 1.0
+        wrong = str((int(p.answer) + 1) % 10)
+        assert fn(p.solution[:-1] + wrong, gt) == 0.0
+        assert fn(p.solution.rsplit("A:", 1)[0], gt) == 0.0  # no final answer
+    assert fn("", "a=7+3=0;A:0") == 0.0 and fn("A:", "a=7+3=0;A:0") == 0.0
+
+
+def test_reward_checks_every_step_not_only_the_answer():
+    task = toy.ToyTask()
+    p = toy.ToyProblem(7, (("+", 3), ("-", 8)), 5)
+    gt = task.reference(p.text, p.answer)
+    assert toy.toy_reward(p.solution, gt) == 1.0
+    # a wrong step that happens to end on the right answer scores 0 (no guessing)
+    bad = p.solution.replace("d=0-8=2;c=2", "d=0-8=3;c=3")
+    assert bad != p.solution and bad.endswith("A:" + p.answer)
+    assert toy.toy_reward(bad, gt) == 0.0
+    assert toy.toy_reward("A:" + p.answer, gt) == 0.0  # skipping the work
+    assert toy.toy_reward(p.steps()[-1] + ";A:" + p.answer, gt) == 0.0
+    # after a hint, the reference is the rest of the solution
+    hint = toy.reference_hints(p)[2]
+    gt_h = task.reference(p.text, p.answer, hint)
+    assert gt_h == toy.continuation(p, hint) == "c=2+3=5;b=5-8=7;a=7+3=0;A:0"
+    assert toy.toy_reward(gt_h, gt_h) == 1.0 and toy.toy_reward(p.solution, gt_h) == 0.0
+    assert toy.toy_reward(" " + gt_h + " ", gt_h) == 1.0
+    # a bare number as ground truth compares the final answer only
+    assert toy.toy_reward("a=1+1=2;A:7", "7") == 1.0 and toy.toy_reward("A:12;A:13", "12") == 0.0
+
+
+def test_ground_truth_uses_the_tasks_reference_where_it_has_one():
+    from sage_jax.tasks import base, data
+    p = toy.ToyProblem(7, (("+", 3), ("-", 8)), 5)
+    ex = toy.to_example(p, 0)
+    assert base.ground_truth(toy.ToyTask(), ex) == p.solution
+    assert base.ground_truth(toy.ToyTask(), ex, "e=7+3=0") == toy.continuation(p, "e=7+3=0")
+
+    class Plain:  # a task with no reference: the final answer
+        pass
+
+    assert base.ground_truth(Plain(), data.Example("q", "42", None, None, 0), "h") == "42"
 
 
 # ---- hints ----------------------------------------------------------------------------------
@@ -114,8 +154,8 @@ def test_hint_levels_are_prefixes_and_never_contain_the_answer():
             assert p.solution.startswith(h + toy.STEP_SEP)
             # never the final answer: no answer line and never the step that computes it
             assert "A:" not in h and steps[-1] not in h.split(toy.STEP_SEP)
-            assert toy.toy_reward(h, p.answer) == 0.0
-            assert p.answer not in [s.split("=")[1] for s in h.split(toy.STEP_SEP)]
+            assert toy.toy_reward(h, p.solution) == 0.0
+            assert toy.toy_reward(h, toy.continuation(p, h)) == 0.0
 
 
 def test_hint_payload_parses_back_with_sage_parser():
@@ -138,19 +178,18 @@ def test_continuation_completes_the_hint():
 def test_prompt_formats():
     task = toy.ToyTask()
     tok = task.tok
-    p = toy.ToyProblem(37, (("*", 3), ("+", 4)), 5)
-    assert p.text == "37*3+4:e"
-    assert p.solution == "a*3=91;b+4=35;c*7=15;d+5=60;e*9=40;A:40"
-    assert task.answer_prompt(p.text) == [tok.bos_id] + tok.encode("Q:37*3+4:e\n")
-    assert tok.decode(task.hinted_prompt(p.text, "a*3=91")) == "Q:37*3+4:e\nH:a*3=91\n"
-    assert tok.decode(task.hint_request(p.text, p.solution)) == "S:" + p.solution + "\nH?a,b,d:"
-    assert toy.reference_hints(p) == {1: "a*3=91", 2: "a*3=91;b+4=35",
-                                      3: "a*3=91;b+4=35;c*7=15;d+5=60"}
-    assert toy.continuation(p, "a*3=91;b+4=35") == "c*7=15;d+5=60;e*9=40;A:40"
-    assert toy.next_operand("*", 9) == ("*", 3) and toy.next_operand("+", 9, 2) == ("+", 2)
+    p = toy.ToyProblem(7, (("+", 3), ("-", 8)), 5)
+    assert p.text == "7+3-8:e"
+    assert p.solution == "e=7+3=0;d=0-8=2;c=2+3=5;b=5-8=7;a=7+3=0;A:0"
+    assert task.answer_prompt(p.text) == [tok.bos_id] + tok.encode("Q:7+3-8:e\n")
+    assert tok.decode(task.hinted_prompt(p.text, "e=7+3=0")) == "Q:7+3-8:e\nH:e=7+3=0\n"
+    assert tok.decode(task.hint_request(p.text, p.solution)) == "S:" + p.solution + "\nH?e,d,b:"
+    assert toy.reference_hints(p) == {1: "e=7+3=0", 2: "e=7+3=0;d=0-8=2",
+                                      3: "e=7+3=0;d=0-8=2;c=2+3=5;b=5-8=7"}
+    assert toy.continuation(p, "e=7+3=0;d=0-8=2") == "c=2+3=5;b=5-8=7;a=7+3=0;A:0"
     # policy-written hints may hold anything: kept on one line and in the vocabulary
-    assert tok.decode(task.hinted_prompt(p.text, "x\ny\u00e9")) == "Q:37*3+4:e\nH:x y?\n"
-    assert task.decode(tok.encode("a+5=12;A:12", eos=True) + [65, 66]) == "a+5=12;A:12"
+    assert tok.decode(task.hinted_prompt(p.text, "x\ny\u00e9")) == "Q:7+3-8:e\nH:x y?\n"
+    assert task.decode(tok.encode("a=7+3=0;A:0", eos=True) + [65, 66]) == "a=7+3=0;A:0"
     assert task.eos_ids == (tok.eos_id,) and task.pad_id == tok.pad_id
     assert task.reward_name in rewards.reward_names()
 
@@ -166,7 +205,7 @@ def test_sft_mix_covers_every_length_kind_and_level():
             solution, ends = text[2:].split("\n")
             k = solution.count(";")
             kinds.add(("write", k))
-            assert ends == "H?" + ",".join(toy.LABELS[toy.hint_steps(k, lvl) - 1]
+            assert ends == "H?" + ",".join(toy.LABELS[k - toy.hint_steps(k, lvl)]
                                            for lvl in (1, 2, 3)) + ":"
             assert sage.parse_hints(ans) == toy.reference_hints(solution)
             continue

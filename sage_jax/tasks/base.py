@@ -23,3 +23,12 @@ class Task(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids (special tokens dropped)."""
+
+
+def ground_truth(task: Task, example, hint: str | None = None) -> str:
+    """What `task`'s reward compares an answer to, for an example (`.problem`, `.answer`) asked
+    with `hint` (None: no hint): `task.reference(problem, answer, hint)` where the task defines it
+    (the toy task checks the whole continuation), else the final answer."""
+    reference = getattr(task, "reference", None)
+    return example.answer if reference is None else reference(example.problem, example.answer,
+                                                              hint)

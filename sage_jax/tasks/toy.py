@@ -1,36 +1,42 @@
-"""The built-in toy task: alternating two-digit chain arithmetic, at character level.
+"""The built-in toy task: alternating chain arithmetic mod 10, at character level.
 
-A problem is a two-digit start value, two operations and a length k (the difficulty knob,
-given as the label of the last step). The reference solution applies the two operations
-alternately, one labelled step each, restating the operation before its result; each
-operation's operand goes up every time it is used (+/-: 1..9 then 1 again; *: 3, 7, 9, 3...).
-An operation acts on each digit separately, mod 10, with no carries (37 +4 -> 71, 37 *3 -> 91).
-The solution ends with the answer:
+A problem is a start digit, two operations (+x or -x, x in 1..9) and a length k (the
+difficulty knob, given as a letter: a = 1 step, e = 5). The reference solution applies the two
+operations alternately, one step each, labelled by the steps left (the first has the problem's
+letter, the last is `a`), restating the value it starts from and the operation before its
+result, and ends with the answer, the last value:
 
-    problem   37*3+4:e                                 (start 37; *3, +4, *7, +5, *9)
-    solution  a*3=91;b+4=35;c*7=15;d+5=60;e*9=40;A:40
+    problem   7+3-8:e
+    solution  e=7+3=0;d=0-8=2;c=2+3=5;b=5-8=7;a=7+3=0;A:0
 
-Why this shape (facts from a prototype, see issue 8, and from tuning this one):
-- Everything a step needs sits at a fixed distance behind it: the previous value 6 characters
-  back, the operation it increments (for steps c, d, ...) 14 back, and the prompt has a fixed
-  width. So a step never has to find "the j-th operation" of the problem, which made length,
-  not arithmetic, the bottleneck of the prototype (labelled variants that look operations up by
-  content, `07+a5*b3`, spent the whole SFT budget learning the lookup). The only real work per
-  step is two arithmetic facts from one small table (10 digits x {+1..+9, -1..-9, *2..*9} mod
-  10), so a model that gets a step right with probability p passes a k-step problem about p^k
-  of the time: the per-step error, not the length, is the bottleneck. Stopping is one
-  comparison (step label vs. the problem's last label).
-- Digitwise arithmetic learns like mod-10 arithmetic (true mod-100 arithmetic, with carries,
-  was far slower to learn) while a guessed answer is right only ~1% of the time (single-digit
-  answers were guessed right 10% of the time, so groups of 8 seldom collapsed). Every operation
-  permutes the digits, so the two digits never merge (with *5 or *2 they did, and long chains
-  became a one-digit task that was easier than short ones).
-- The operand increments keep a chain from cycling through the same few facts (with fixed
-  operands a chain repeats within a few steps and pass rates hardly fall with length).
+The reward checks the work (`toy_reward`): every step the answer writes and the final value
+must equal the reference's.
+
+Why this shape (facts from a prototype, see issue 8, and from tuning earlier versions):
+- Everything a step needs sits at a fixed distance behind it: it copies the previous result
+  (4 characters back) and its operation (two steps back), then adds them with all three
+  inputs next to each other. A step never has to find "the j-th operation" of the problem,
+  which made length, not arithmetic, the bottleneck of the prototype. The only real work per
+  step is one fact of a small table (10 digits x 18 operations, mod 10). Versions in which the
+  fact needed a far-away value (the previous result not restated, two digits per value,
+  operands that change every step) stayed near chance for 500+ SFT steps on 2 cores: the
+  attention that fetches the value gets no signal until the arithmetic works, while a copy
+  gets it at once.
+- The count-down label makes stopping local too: after step `a` comes the answer. With labels
+  that count up, the policy had to compare each label with the problem's; after 2380 SFT steps
+  single steps were right 88% of the time but the answer line only 5%.
+- The two operations together move the value by an amount coprime to 10 (the generator draws
+  only such pairs), so a chain meets ten different values under each operation before any
+  fact repeats: a problem of up to 20 steps never uses a fact twice, and a model that gets a
+  step right with probability p passes a k-step problem about p^k of the time. The per-step
+  error, not the length, is the bottleneck.
+- The answer is one digit, so a final-answer reward would be right by chance 10% of the time
+  and groups of 8 would seldom all fail; checking every step removes guessing, and a hint
+  still removes exactly the steps it supplies.
 - A hint supplies the first j steps; the hinted answer continues from step j + 1, so the hint
   removes j chances to fail. Levels (reference-derived): 1 = the first step, 2 = the first
-  floor(k/2) steps, 3 = the first k - 1 steps; a level with no step (k = 1) is absent. The
-  generator makes every intermediate value differ from the final answer, so no hint holds it.
+  floor(k/2) steps, 3 = the first k - 1 steps; a level with no step (k = 1) is absent. No hint
+  holds the last step or the answer line.
 - With p near 0.87 a group of 8 answers is all wrong mostly when p^k is small, so the RL
   lengths are the long ones (see RL_SPEC); SFT covers every length 1..SFT_SPEC.max_steps.
 - The SFT mix covers every length with no hint, with each hint level, and the hint-writing
@@ -38,10 +44,10 @@ Why this shape (facts from a prototype, see issue 8, and from tuning this one):
   so the policy can both use and write hints.
 
 Prompt formats (<bos> first; the answer ends with <eos>):
-    answer prompt    Q:37*3+4:e\\n             -> a*3=91;b+4=35;c*7=15;d+5=60;e*9=40;A:40
-    hinted prompt    Q:37*3+4:e\\nH:a*3=91\\n   -> b+4=35;c*7=15;d+5=60;e*9=40;A:40
-    hint request     S:a*3=91;b+4=35;c*7=15;d+5=60;e*9=40;A:40\\nH?a,b,d:
-                         -> {"1":"a*3=91","2":"a*3=91;b+4=35","3":"a*3=91;...;d+5=60"}
+    answer prompt    Q:7+3-8:e\\n          -> e=7+3=0;d=0-8=2;c=2+3=5;b=5-8=7;a=7+3=0;A:0
+    hinted prompt    Q:7+3-8:e\\nH:e=7+3=0\\n  -> d=0-8=2;c=2+3=5;b=5-8=7;a=7+3=0;A:0
+    hint request     S:e=7+3=0;d=0-8=2;c=2+3=5;b=5-8=7;a=7+3=0;A:0\\nH?e,d,b:
+                         -> {"1":"e=7+3=0","2":"e=7+3=0;d=0-8=2","3":"e=7+3=0;...;b=5-8=7"}
 The hint request shows the reference solution (it holds every step, so the problem text would
 be redundant characters) and, after `H?`, the label of the last step each level should reach
 (as the paper's request describes what each level holds): writing a hint is then copying
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Sequence
 
@@ -64,15 +71,10 @@ from sage_jax.rewards import get_reward, register_reward
 from sage_jax.sage import LEVELS
 from sage_jax.tasks.data import Example
 
-BASE = 10  # each digit is computed mod 10, with no carries
-WIDTH = 2  # digits of a value
-MOD = BASE ** WIDTH  # number of distinct values
+BASE = 10  # values are digits; every operation is mod 10
+OPERANDS = tuple(range(1, BASE))
 LABELS = "abcdefghijklmnopqrst"
 MAX_STEPS = len(LABELS)
-OPS = ("+", "-", "*")
-# Every operation permutes the digits 0..9 (no *2, *4, *5, ...), so two different digits stay
-# different: the two digits of a value never merge into one lane, and no chain gets stuck.
-OPERANDS = {"+": tuple(range(1, 10)), "-": tuple(range(1, 10)), "*": (3, 7, 9)}
 ANSWER_TAG = "A:"
 QUESTION_TAG = "Q:"
 HINT_TAG = "H:"
@@ -80,34 +82,28 @@ SOLUTION_TAG = "S:"
 REQUEST_TAG = "H?"
 STEP_SEP = ";"
 
-_PROBLEM_RE = re.compile(r"^(\d+)([-+*])(\d)([-+*])(\d):([a-z])$")
+_PROBLEM_RE = re.compile(r"^(\d)([-+])([1-9])([-+])([1-9]):([a-t])$")
 _ANSWER_RE = re.compile(r"A:(\d+)")
 
 
 # ---- problems and reference solutions --------------------------------------------------------
 
-def _digit_op(d: int, op: str, operand: int) -> int:
+def apply_op(value: int, op: str, operand: int) -> int:
+    """value + operand or value - operand, mod 10."""
     if op == "+":
-        return (d + operand) % BASE
+        return (value + operand) % BASE
     if op == "-":
-        return (d - operand) % BASE
-    if op == "*":
-        return (d * operand) % BASE
+        return (value - operand) % BASE
     raise ValueError(f"unknown operation {op!r}")
 
 
-def apply_op(value: int, op: str, operand: int) -> int:
-    """The operation applied to each digit of `value` separately, mod 10 (no carries)."""
-    out, scale = 0, 1
-    for _ in range(WIDTH):
-        out += _digit_op(value // scale % BASE, op, operand) * scale
-        scale *= BASE
-    return out
+def _net(op: str, operand: int) -> int:
+    return operand if op == "+" else -operand
 
 
 @dataclasses.dataclass(frozen=True)
 class ToyProblem:
-    """A start value, two operations (applied alternately) and k steps."""
+    """A start digit, two operations applied alternately, and k steps."""
 
     start: int
     pair: tuple[tuple[str, int], tuple[str, int]]
@@ -115,15 +111,14 @@ class ToyProblem:
 
     @property
     def ops(self) -> tuple[tuple[str, int], ...]:
-        """The operation of each step: the pair alternates, and each operation's operand goes
-        up by one every time it is used (wrapping around its range)."""
-        return tuple(next_operand(*self.pair[j % 2], j // 2) for j in range(self.k))
+        """The operation of each step: the pair, alternately."""
+        return tuple(self.pair[j % 2] for j in range(self.k))
 
     @property
     def text(self) -> str:
-        """The problem as the policy sees it, e.g. `37*3+4:e`."""
+        """The problem as the policy sees it, e.g. `7+3-8:e`."""
         (o1, x1), (o2, x2) = self.pair
-        return f"{self.start:0{WIDTH}d}{o1}{x1}{o2}{x2}:{LABELS[self.k - 1]}"
+        return f"{self.start}{o1}{x1}{o2}{x2}:{LABELS[self.k - 1]}"
 
     def values(self) -> list[int]:
         """The value after each step."""
@@ -135,12 +130,14 @@ class ToyProblem:
 
     @property
     def answer(self) -> str:
-        return f"{self.values()[-1]:0{WIDTH}d}"
+        return str(self.values()[-1])
 
     def steps(self) -> list[str]:
-        """Reference steps, e.g. ['a*3=91', 'b+4=35']."""
-        return [f"{LABELS[i]}{op}{x}={v:0{WIDTH}d}"
-                for i, ((op, x), v) in enumerate(zip(self.ops, self.values()))]
+        """Reference steps, labelled by the steps left (the last is 'a') and restating the
+        value they start from: ['b=7+3=0', 'a=0-8=2'] for k = 2."""
+        values = self.values()
+        return [f"{LABELS[self.k - 1 - i]}={u}{op}{x}={v}" for i, ((op, x), u, v)
+                in enumerate(zip(self.ops, [self.start, *values[:-1]], values))]
 
     @property
     def solution(self) -> str:
@@ -150,47 +147,25 @@ class ToyProblem:
     def parse(cls, text: str) -> "ToyProblem":
         m = _PROBLEM_RE.match(text.strip())
         if not m:
-            raise ValueError(f"not a toy problem: {text!r} (expected e.g. '37*3+4:e')")
+            raise ValueError(f"not a toy problem: {text!r} (expected e.g. '7+3-8:e')")
         start, o1, x1, o2, x2, last = m.groups()
         return cls(int(start), ((o1, int(x1)), (o2, int(x2))), LABELS.index(last) + 1)
-
-
-def next_operand(op: str, operand: int, uses: int = 1) -> tuple[str, int]:
-    """The operation after `uses` increments of its operand (wrapping within OPERANDS[op])."""
-    r = OPERANDS[op]
-    return op, r[(r.index(operand) + uses) % len(r)]
 
 
 def solution_text(steps: Sequence[str], answer: str) -> str:
     return STEP_SEP.join([*steps, ANSWER_TAG + answer])
 
 
-def random_problem(rng: np.random.Generator, k: int, ops: str = "".join(OPS)) -> ToyProblem:
-    """A k-step problem with operators drawn from `ops`. The start value has two different
-    digits; the two operations never undo each other (+x then -x, whose operands also rise in
-    step: a trivial 2-cycle); no intermediate value equals the final answer, so no hint holds
-    it."""
+def random_problem(rng: np.random.Generator, k: int) -> ToyProblem:
+    """A k-step problem whose two operations together move the value by an amount coprime to 10,
+    so the chain visits all ten digits before a (value, operation) pair repeats: a problem of up
+    to 20 steps never uses the same fact twice."""
     if not 1 <= k <= MAX_STEPS:
         raise ValueError(f"k={k} steps is outside 1..{MAX_STEPS}")
-    if not ops or set(ops) - set(OPS):
-        raise ValueError(f"ops must be a non-empty subset of {''.join(OPS)!r}, got {ops!r}")
-    for _ in range(100_000):
-        start = int(rng.integers(MOD))
-        if len(set(f"{start:0{WIDTH}d}")) < WIDTH:
-            continue
-        pair = []
-        for _ in range(2):
-            op = ops[int(rng.integers(len(ops)))]
-            pair.append((op, int(rng.choice(OPERANDS[op]))))
-        (o1, x1), (o2, x2) = pair
-        if {o1, o2} == {"+", "-"} and x1 == x2:
-            continue
-        p = ToyProblem(start, (pair[0], pair[1]), k)
-        values = p.values()
-        if values[-1] not in values[:-1]:  # no hint holds the answer's value
-            return p
-    raise ValueError(f"found no {k}-step problem with operators {ops!r} whose answer differs "
-                     "from every intermediate value")
+    while True:
+        pair = tuple((str(rng.choice(["+", "-"])), int(rng.choice(OPERANDS))) for _ in range(2))
+        if math.gcd((_net(*pair[0]) + _net(*pair[1])) % BASE, BASE) == 1:
+            return ToyProblem(int(rng.integers(BASE)), pair, k)
 
 
 # ---- hints ----------------------------------------------------------------------------------
@@ -241,14 +216,26 @@ def continuation(problem: ToyProblem, hint: str | None) -> str:
 # ---- reward ---------------------------------------------------------------------------------
 
 def toy_reward(response: str, ground_truth: str) -> float:
-    """1.0 when the last `A:<number>` of the response equals the ground truth (mod-100 value)."""
+    """1.0 when the response is right, else 0.0.
+
+    The toy task's ground truth is the reference continuation (`ToyTask.reference`: the steps
+    the prompt leaves to the answer, then `A:<value>`), and the reward checks the work: every
+    step the response writes and its final answer must equal the reference's. With a bare
+    number as ground truth only the last `A:<number>` is compared.
+    """
+    gt = str(ground_truth).strip()
     found = _ANSWER_RE.findall(response)
     if not found:
         return 0.0
-    try:
-        return 1.0 if int(found[-1]) == int(str(ground_truth).strip()) else 0.0
-    except ValueError:
+    if ANSWER_TAG not in gt:
+        try:
+            return 1.0 if int(found[-1]) == int(gt) else 0.0
+        except ValueError:
+            return 0.0
+    got, want = _steps_of(response.strip()), _steps_of(gt)
+    if got != want:
         return 0.0
+    return 1.0 if int(found[-1]) == int(_ANSWER_RE.findall(gt)[-1]) else 0.0
 
 
 try:
@@ -282,7 +269,8 @@ class ToyTask:
     @staticmethod
     def request_text(problem: str, solution: str) -> str:
         solution = _one_line(solution)
-        ends = ",".join(LABELS[n - 1] if 0 < n <= len(LABELS) else "-"
+        k = len(_steps_of(solution))
+        ends = ",".join(LABELS[k - n] if 0 < n <= min(k, len(LABELS)) else "-"
                         for n in hint_lengths(solution).values())
         return f"{SOLUTION_TAG}{solution}\n{REQUEST_TAG}{ends}:"
 
@@ -299,6 +287,13 @@ class ToyTask:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode_until_eos(ids)
 
+    @staticmethod
+    def reference(problem: str, answer: str, hint: str | None = None) -> str:
+        """The ground truth `toy_reward` checks an answer against: the reference continuation
+        after `hint` (the whole solution without one)."""
+        del answer  # the continuation ends with it
+        return continuation(ToyProblem.parse(problem), hint)
+
     def encode_answer(self, text: str) -> list[int]:
         """Ids of an answer (or hint payload) with its closing <eos>."""
         return self.tok.encode(text, eos=True)
@@ -314,18 +309,15 @@ def _one_line(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ToySpec:
-    """Which problems a split holds: lengths min_steps..max_steps, uniformly; operators `ops`."""
+    """Which problems a split holds: lengths min_steps..max_steps, uniformly."""
 
     min_steps: int = 1
     max_steps: int = 16
-    ops: str = "+-*"
 
     def __post_init__(self):
         if not 1 <= self.min_steps <= self.max_steps <= MAX_STEPS:
             raise ValueError(f"need 1 <= min_steps <= max_steps <= {MAX_STEPS}, got "
                              f"{self.min_steps}..{self.max_steps}")
-        if not self.ops or set(self.ops) - set(OPS):
-            raise ValueError(f"ops must be a non-empty subset of {''.join(OPS)!r}: {self.ops!r}")
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -344,7 +336,7 @@ def make_problems(n: int, spec: ToySpec = RL_SPEC, *, seed: int = 0,
     rng = np.random.default_rng([seed, 8])
     lengths = spec.lengths
     total = n * len(lengths) if per_length else n
-    return [random_problem(rng, lengths[i % len(lengths)], spec.ops) for i in range(total)]
+    return [random_problem(rng, lengths[i % len(lengths)]) for i in range(total)]
 
 
 def to_example(p: ToyProblem, index: int) -> Example:
@@ -409,7 +401,7 @@ def sft_draw(rng: np.random.Generator, n: int, *, task: ToyTask | None = None,
     lengths = spec.lengths
     out = []
     for _ in range(n):
-        p = random_problem(rng, lengths[int(rng.integers(len(lengths)))], spec.ops)
+        p = random_problem(rng, lengths[int(rng.integers(len(lengths)))])
         kind = ("plain", "hinted", "write")[int(rng.choice(3, p=probs))]
         levels = sorted(reference_hints(p))
         if kind != "plain" and not levels:

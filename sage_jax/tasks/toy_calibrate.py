@@ -28,8 +28,9 @@ from sage_jax import sage, sft
 from sage_jax.models.decoder import Decoder
 from sage_jax.tasks import toy
 
-SFT_DEFAULTS = dict(steps=3000, batch_size=32, lr=3e-3, warmup=50, target_step_acc=0.87,
-                    eval_every=10, eval_per_length=8, bucket=64)
+SFT_DEFAULTS = dict(steps=6000, batch_size=32, lr=3e-3, warmup=50, target_step_acc=0.87,
+                    eval_every=10, eval_per_length=8, bucket=32, short_max_steps=4,
+                    short_target=0.8)
 GATE_ALL_ZERO = 0.35  # at least this share of groups all-zero at step 0
 GATE_L3_MARGIN = 0.10  # level-3 pass rate at the hardest length at least this above no hint
 
@@ -123,12 +124,20 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
                eval_every: int = SFT_DEFAULTS["eval_every"],
                eval_per_length: int = SFT_DEFAULTS["eval_per_length"],
                bucket: int = SFT_DEFAULTS["bucket"],
+               short_max_steps: int = SFT_DEFAULTS["short_max_steps"],
+               short_target: float = SFT_DEFAULTS["short_target"],
                spec: toy.ToySpec = toy.SFT_SPEC, eval_spec: toy.ToySpec = toy.RL_SPEC,
                mix: toy.SFTMix = toy.SFTMix(),
                model_overrides: dict | None = None,
                progress: Callable[[str], None] | None = None):
-    """A fresh toy model trained on the SFT mix (lengths `spec`) until the teacher-forced
-    single-step accuracy on held-out problems of `eval_spec` (the RL lengths) reaches `target_step_acc` (0: train all `steps`).
+    """A fresh toy model trained on the SFT mix until the teacher-forced single-step accuracy
+    on held-out problems of `eval_spec` (the RL lengths) reaches `target_step_acc` (0: train all
+    `steps`).
+
+    Curriculum: while the single-step accuracy on held-out problems of 2..`short_max_steps`
+    steps is below `short_target`, the SFT problems have at most `short_max_steps` steps (short
+    rows make steps several times cheaper, and the arithmetic is learned in them); from then
+    on every length of `spec`. `short_max_steps` 0 skips the short phase.
 
     Returns (model, `sft.SFTResult`).
     """
@@ -136,16 +145,30 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
     model = Decoder(toy.toy_model_config(**(model_overrides or {})), rngs=nnx.Rngs(seed))
     held_out = toy.make_problems(eval_per_length, eval_spec, seed=10_000 + seed,
                                  per_length=True)
+    short = min(short_max_steps, spec.max_steps)
+    short_spec = toy.ToySpec(spec.min_steps, short) if short else None
+    short_held_out = (toy.make_problems(eval_per_length, toy.ToySpec(min(2, short), short),
+                                        seed=10_000 + seed, per_length=True) if short else None)
+    state = {"step": 0, "acc": 0.0, "short": short_spec is not None}
 
     def draw(rng, n):
-        return toy.sft_draw(rng, n, task=task, spec=spec, mix=mix)
+        return toy.sft_draw(rng, n, task=task, spec=short_spec if state["short"] else spec,
+                            mix=mix)
 
-    # Single-step accuracy rises sharply once the arithmetic "clicks" (0.5 -> 0.95 within ~50
-    # steps), so near the target the model is evaluated every other step.
-    state = {"step": 0, "acc": 0.0}
-
+    # Single-step accuracy rises sharply once the arithmetic "clicks", so near the target the
+    # model is evaluated every other step.
     def evaluate(m):
         state["step"] += 1
+        if state["short"]:
+            if state["step"] % eval_every:
+                return {}
+            met = step_accuracy(m, short_held_out, task=task)
+            if met["step_acc"] >= short_target:
+                state["short"] = False
+                if progress:
+                    progress(f"sft: short problems learned (single-step accuracy "
+                             f"{met['step_acc']:.3f} at step {state['step']}); now every length")
+            return {"short_step_acc": met["step_acc"]}
         near = target_step_acc and state["acc"] >= target_step_acc - 0.35
         if state["step"] % (2 if near else eval_every):
             return {}
@@ -153,7 +176,8 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
         state["acc"] = met["step_acc"]
         return met
 
-    stop = (lambda met: met["step_acc"] >= target_step_acc) if target_step_acc else None
+    stop = ((lambda met: met.get("step_acc", 0.0) >= target_step_acc) if target_step_acc
+            else None)
     return sft.train_sft(model, draw, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          pad_id=task.pad_id, warmup=warmup, eval_every=1 if eval_every else 0,
                          bucket=bucket, eval_fn=evaluate if eval_every else None, stop_fn=stop,
@@ -167,7 +191,7 @@ def _default_generate():
     return generate
 
 
-STEP_CHARS = 5 + toy.WIDTH  # 'a*3=1;'
+STEP_CHARS = 8  # "a=7+3=0;"
 
 
 def max_answer_tokens(k: int) -> int:
@@ -198,7 +222,9 @@ def sample_rewards(model: Decoder, problems: Sequence[toy.ToyProblem], *, group_
                    key=jax.random.PRNGKey(0) if key is None else key, num_samples=group_size,
                    prompt_ids=np.asarray(ids, np.int32), pad_id=task.pad_id)
     texts = [task.decode(got.tokens[r, :got.lengths[r]]) for r in range(len(got.lengths))]
-    r = np.asarray([toy.toy_reward(t, problems[r // group_size].answer)
+    truths = [toy.continuation(p, toy.reference_hints(p)[level] if level else None)
+              for p in problems]
+    r = np.asarray([toy.toy_reward(t, truths[r // group_size])
                     for r, t in enumerate(texts)], np.float32)
     return r.reshape(len(problems), group_size), texts
 
