@@ -284,7 +284,7 @@ class ToyConfig(_Section):
     problems: int = 512  # Built-in RL training problems (when data.train_files is empty).
     warm_start: bool = True  # model.path null: start RL from the SFT warm start (cached).
     sft_seed: int = 0  # Seed of the warm start (kept apart from train.seed: one SFT start).
-    sft_steps: int = 3000  # Most SFT steps of the warm start.
+    sft_steps: int = 6000  # Most SFT steps of the warm start.
     sft_target_step_acc: float = 0.87  # Stop SFT at this single-step accuracy (0: never).
     cache_dir: str | None = None  # Warm-start cache; None = $SAGE_JAX_CACHE or ~/.cache/sage_jax.
     calibrate: bool = True  # Measure and print the calibration gate before RL.

@@ -189,24 +189,24 @@ def train_sft(model: nnx.Module, examples: Sequence[Pair] | Callable[[np.random.
 # ---- CLI: warm-start the toy model ----------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from sage_jax.models import to_hf
-    from sage_jax.tasks import toy, toy_calibrate
+    from sage_jax import config as config_lib
+    from sage_jax.tasks import toy_job
+    from sage_jax.train import DEFAULT_CONFIG
 
-    ap = argparse.ArgumentParser(prog="python -m sage_jax.sft",
-                                 description="Warm-start the toy model on the toy task's SFT mix.")
+    ap = argparse.ArgumentParser(
+        prog="python -m sage_jax.sft",
+        description="Warm-start the toy model on the toy task's SFT mix, with the warm-start "
+                    "settings (task.toy.*) of a run config. `--out sage_jax/tasks/toy_sft` "
+                    "regenerates the checkpoint shipped with the package.")
     ap.add_argument("--out", default="runs/toy_sft", help="checkpoint folder (HF format)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=toy_calibrate.SFT_DEFAULTS["steps"])
-    ap.add_argument("--target-step-acc", type=float,
-                    default=toy_calibrate.SFT_DEFAULTS["target_step_acc"],
-                    help="stop when teacher-forced single-step accuracy reaches this (0: never)")
+    ap.add_argument("--config", default=None,
+                    help="YAML config whose task.toy settings to use (default configs/toy.yaml)")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. task.toy.sft_seed=1")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    model, result = toy_calibrate.warm_start(seed=args.seed, steps=args.steps,
-                                             target_step_acc=args.target_step_acc,
-                                             progress=print)
-    path = to_hf(model, args.out)
-    print(f"saved {path} after {result.steps} steps in {result.seconds:.0f}s")
+    cfg = config_lib.load_config(args.config or DEFAULT_CONFIG, args.overrides)
+    toy_job.train_warm_start(cfg, args.out, progress=print)
+    print(f"saved {args.out}")
 
 
 if __name__ == "__main__":

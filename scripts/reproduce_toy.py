@@ -119,11 +119,13 @@ def report(results: list[dict], start: list[dict], methods: list[str], out: Path
                      f"{fmt(mean_curve('collapse/frac_all_zero_after'))} | "
                      f"{fmt(mean_curve('hint/rescued'), 2)} | {rel} |")
     lines += ["", "Runs per method: " + ", ".join(f"{m}: {len(by[m])}" for m in methods)
-              + ". Per-run results: `runs/<method>-s<seed>/study.json`.", "",
+              + ". Per-run results: `results.json` (also `runs/<method>-s<seed>/study.json`, "
+              "not committed, with the checkpoints).", "",
               "![accuracy by difficulty](accuracy.png)", "", "![training curves](curves.png)",
               ""]
     text = "\n".join(lines)
     (out / "README.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"sft_start": start, "runs": results}, indent=1))
     plots(by, start, methods, ks, out)
     return text
 
@@ -170,9 +172,12 @@ def main(argv=None) -> str:
     ap.add_argument("--methods", default="grpo,resample,sage,sage_light")
     ap.add_argument("--steps", type=int, default=None,
                     help="RL steps per run (default: train.steps of configs/toy.yaml)")
+    ap.add_argument("--eval-per-length", type=int, default=32,
+                    help="held-out test prompts per difficulty (task.toy.eval_per_length)")
     ap.add_argument("--out", default="docs/toy_study")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = ap.parse_args(argv)
+    args.overrides = [f"task.toy.eval_per_length={args.eval_per_length}", *args.overrides]
     methods = [m for m in args.methods.split(",") if m]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -189,8 +194,8 @@ def main(argv=None) -> str:
             f"{base.optim.lr}, seeds {seeds}; evaluation: {t.eval_per_length} held-out prompts "
             f"per length × {t.eval_samples} samples at temperature {base.rl.temperature}, no "
             f"hints. Command: `python scripts/reproduce_toy.py --seeds {args.seeds} --methods "
-            f"{args.methods} --steps {steps}"
-            + (" " + " ".join(args.overrides) if args.overrides else "") + "`.")
+            f"{args.methods} --steps {steps} --eval-per-length {args.eval_per_length}"
+            + (" " + " ".join(args.overrides[1:]) if args.overrides[1:] else "") + "`.")
     text = report(results, start, methods, out, note)
     print(text)
     print(f"study done in {time.perf_counter() - t0:.0f}s; report {out / 'README.md'}")

@@ -4,6 +4,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from sage_jax import config, train
 from sage_jax.metrics import read_metrics
@@ -51,3 +52,27 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     import jax
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(first))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a shipped checkpoint made with the same settings is used first; other settings skip it
+    shipped = tmp_path / "shipped"
+    import shutil
+    shutil.copytree(cached, shipped)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(toy_job, "PACKAGED", shipped)
+    try:
+        toy_job.warm_started_model(cfg, progress=print)
+        assert f"the shipped SFT model {shipped}" in capsys.readouterr().out
+        other = config.load_config(train.DEFAULT_CONFIG, SHRUNK + ["task.toy.sft_seed=5"])
+        assert toy_job.packaged_settings() == toy_job.warm_start_settings(cfg)
+        assert toy_job.packaged_settings() != toy_job.warm_start_settings(other)
+    finally:
+        monkey.undo()
+
+
+def test_shipped_warm_start_matches_the_default_config():
+    """The checkpoint under sage_jax/tasks/toy_sft is what the default job loads: it must have
+    been made with configs/toy.yaml's warm-start settings (else every fresh run retrains)."""
+    cfg = config.load_config(train.DEFAULT_CONFIG, [])
+    shipped = toy_job.packaged_settings()
+    assert shipped is not None, f"no shipped warm start in {toy_job.PACKAGED}"
+    assert toy_job._same(shipped, toy_job.warm_start_settings(cfg))
+    assert (toy_job.PACKAGED / "model.safetensors").is_file()
