@@ -1,7 +1,8 @@
 """From token lists to arrays: left-padded prompts, the policy sampler adapter, the train batch.
 
 Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), P prompt columns
-(a `sampling.prompt_bucket` size), T answer columns (rl.max_new_tokens), L = P + T.
+(a `sampling.prompt_bucket` size), T answer columns (rl.max_new_tokens), L train-row columns
+(a `sampling.length_bucket` of the longest prompt + answer, at most P + T).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class PolicySampler:
 
 def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "group",
                 pad_id: int = 0) -> dict[str, np.ndarray]:
-    """The update's batch (see `update.py`) from a rollout, rows prompt-major.
+    """The update's batch (see `update.py`) from a rollout, rows prompt-major, each row its
+    prompt then its answer from column 0, right-padded to L (positions count valid tokens, so
+    this equals a left-padded prompt; it only drops the padding between prompt and answer).
 
     `loss_context`: "hinted" trains on log pi(answer | prompt + hint) for hinted groups (the
     published setting); "plain" on log pi(answer | bare prompt) (the off-policy ablation).
@@ -66,16 +69,23 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
     prompts = ro.prompts if loss_context == "hinted" else ro.plain_prompts
     tokens_BxGxT, lengths_BxG = ro.samples.tokens, ro.samples.lengths
     b, g, t = tokens_BxGxT.shape
-    p = sampling.prompt_bucket(max(len(x) for x in prompts))
-    ptok, pmask = left_pad(prompts, p, pad_id)
-    answer_mask = np.arange(t)[None, None, :] < lengths_BxG[:, :, None]
-    tokens = np.concatenate([np.repeat(ptok[:, None], g, 1), tokens_BxGxT], axis=-1)
-    mask = np.concatenate([np.repeat(pmask[:, None], g, 1), answer_mask], axis=-1)
-    loss_mask = np.concatenate([np.zeros((b, g, p), bool), answer_mask], axis=-1)
+    plen_B = np.asarray([len(x) for x in prompts])
+    rows_BxG = plen_B[:, None] + lengths_BxG  # each row: its prompt, then its answer, packed
+    width = min(sampling.length_bucket(int(rows_BxG.max())),
+                sampling.prompt_bucket(int(plen_B.max())) + t)
+    tokens = np.full((b, g, width), pad_id, np.int32)
+    loss_mask = np.zeros((b, g, width), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, :, :len(p)] = p
+        for j in range(g):
+            n = int(lengths_BxG[i, j])
+            tokens[i, j, len(p):len(p) + n] = tokens_BxGxT[i, j, :n]
+            loss_mask[i, j, len(p):len(p) + n] = True
+    mask = np.arange(width)[None, None, :] < rows_BxG[:, :, None]
     adv = np.asarray(grpo.group_advantages(ro.rewards, scale=adv_scale), np.float32)
-    return {"tokens_NxL": tokens.reshape(b * g, p + t).astype(np.int32),
-            "mask_NxL": mask.reshape(b * g, p + t),
-            "loss_mask_NxL": loss_mask.reshape(b * g, p + t),
+    return {"tokens_NxL": tokens.reshape(b * g, width),
+            "mask_NxL": mask.reshape(b * g, width),
+            "loss_mask_NxL": loss_mask.reshape(b * g, width),
             "advantages_N": adv.reshape(b * g),
             "level_N": np.repeat(ro.level, g).astype(np.int8),
             "collapse_N": np.repeat(ro.collapse, g).astype(np.int8)}

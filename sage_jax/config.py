@@ -150,7 +150,10 @@ class RLConfig(_Section):
 class HintConfig(_Section):
     """SAGE hints: where they come from, how they are written and (sage_light) leveled."""
 
-    source: Literal["online", "offline", "column"] = "online"  # Current policy/initial/dataset.
+    # online: the current policy writes them; offline: the initial policy, once; column: a data
+    # field; reference: the task's fixed rule on the reference solution (no writing); auto: the
+    # toy job's calibration gate picks online or reference (online where no gate runs).
+    source: Literal["online", "offline", "column", "reference", "auto"] = "online"
     refresh_every: int = 1  # online: steps between rewrites of a prompt's hint; 0 = never.
     temperature: float = 0.0  # Sampling temperature when writing hints; 0 = greedy.
     max_new_tokens: int = 512  # Longest hint payload the policy may write.
@@ -346,7 +349,7 @@ class Config(_Section):
         if (hinted and self.hint.source != "column" and self.data.layout == "plain"
                 and self.data.solution_key is None):
             raise ConfigError(
-                f"rl.method={rl.method!r} with hint.source={self.hint.source!r} writes hints "
+                f"rl.method={rl.method!r} with hint.source={self.hint.source!r} takes hints "
                 f"from reference solutions: set data.solution_key")
 
 

@@ -6,6 +6,8 @@ Files under ``workdir``:
     are written as ``null`` so the file is standard JSON that any tool reads, and `read_metrics`
     turns ``null`` back into ``float("nan")``.
   * ``samples.jsonl``: one JSON object per sample record, ``{"step": s, **record}``.
+  * ``groups.jsonl``: one JSON object per step with per-prompt lists (dataset ids, first-pass
+    status, hint level, resolved), ``{"step": s, **record}``: each prompt's history over visits.
 
 Only the main process (``is_main=True``, i.e. ``jax.process_index() == 0``) writes anything; on
 other processes every method is a no-op, so callers need no ``if``.
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+GROUPS_FILE = "groups.jsonl"
 
 # Progress-bar fields: (metric name, short label, format).
 _BAR_FIELDS = (
@@ -170,10 +173,12 @@ class MetricsLogger:
         self.console_every = int(console_every)
         self.metrics_path = self.workdir / METRICS_FILE
         self.samples_path = self.workdir / SAMPLES_FILE
+        self.groups_path = self.workdir / GROUPS_FILE
         self.tb = None
         self.bar = None
         self._metrics_f: IO[str] | None = None
         self._samples_f: IO[str] | None = None
+        self._groups_f: IO[str] | None = None
         self._last_step = 0 if resume_step is None else int(resume_step)
         if not self.is_main:
             return
@@ -181,6 +186,7 @@ class MetricsLogger:
         if resume_step is not None:
             _truncate_jsonl(self.metrics_path, int(resume_step))
             _truncate_jsonl(self.samples_path, int(resume_step))
+            _truncate_jsonl(self.groups_path, int(resume_step))
         self._metrics_f = open(self.metrics_path, "a", encoding="utf-8")
         if tensorboard:
             self.tb = _tensorboard_writer(self.workdir / "tb")
@@ -258,11 +264,22 @@ class MetricsLogger:
             self._samples_f.write(line + "\n")
         self._samples_f.flush()
 
+    def log_groups(self, step: int, record: Mapping[str, list]) -> None:
+        """Appends ``{"step": step, **record}`` (lists of JSON numbers) to ``groups.jsonl``."""
+        if not self.is_main:
+            return
+        if self._groups_f is None:
+            self._groups_f = open(self.groups_path, "a", encoding="utf-8")
+        row = {"step": int(step), **{k: [to_json_value(x, name=k) for x in v]
+                                     for k, v in record.items()}}
+        self._groups_f.write(json.dumps(row, allow_nan=False) + "\n")
+        self._groups_f.flush()
+
     def close(self) -> None:
-        for f in (self._metrics_f, self._samples_f):
+        for f in (self._metrics_f, self._samples_f, self._groups_f):
             if f is not None:
                 f.close()
-        self._metrics_f = self._samples_f = None
+        self._metrics_f = self._samples_f = self._groups_f = None
         if self.tb is not None:
             self.tb.close()
             self.tb = None

@@ -58,6 +58,17 @@ def training_table(rows: Sequence[Mapping], parts: int = 4) -> str:
     return "\n".join(lines)
 
 
+def rescue_line(rows: Sequence[Mapping]) -> str:
+    """One sentence: the all-zero groups of the run and how many hints rescued (made mixed)."""
+    zero = sum(r.get("collapse/all_zero_groups", 0) or 0 for r in rows)
+    rescued = sum(r.get("hint/rescued", 0) or 0 for r in rows)
+    if not zero:
+        return "No group was all-zero before hints."
+    return (f"Rescued {rescued:.0f} of {zero:.0f} all-zero groups over the run "
+            f"({rescued / zero:.0%}): re-sampled groups that came back mixed, so their prompt "
+            f"reached the gradient.")
+
+
 def accuracy_table(accuracy: Mapping[str, Mapping[int, float]]) -> str:
     """Markdown: pass rate by difficulty (rows) for each model (columns)."""
     if not accuracy:
@@ -118,6 +129,7 @@ def write_summary(workdir: str | Path, rows: Sequence[Mapping],
     workdir = Path(workdir)
     text = "\n\n".join(x for x in (
         f"# {title}", "## Training (means over stretches of the run)", training_table(rows),
+        rescue_line(rows),
         "## No-hint accuracy by difficulty", accuracy_table(accuracy or {}), extra,
         "![summary](summary.png)") if x) + "\n"
     (workdir / "summary.md").write_text(text)

@@ -53,7 +53,7 @@ class RolloutSettings:
     top_k: int = 0
     collapse_std: float = 0.0
     success_threshold: float = 0.0
-    hint_source: str = "online"  # online | offline | column
+    hint_source: str = "online"  # online | offline | column | reference
     hint_refresh_every: int = 1  # rewrite cached hints every N steps (0: never)
     hint_temperature: float = 0.0
     hint_max_new_tokens: int = 512
@@ -219,6 +219,11 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
             if s.hint_source == "column":
                 payloads[i] = _hint_payload_from_column(examples[i].hint)
                 continue
+            if s.hint_source == "reference":
+                ex = examples[i]
+                payloads[i] = (task.reference_hints(ex.problem, ex.solution, ex.answer)
+                               if ex.solution else {})
+                continue
             cached = tables.cached_hints(d)
             fresh = (tables.hint_step[d] >= 0 and (
                 s.hint_source == "offline" or s.hint_refresh_every == 0
@@ -262,6 +267,7 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
     st = sage.group_status(rewards, collapse_std=s.collapse_std,
                            success_threshold=s.success_threshold)
     metrics["collapse/frac_all_zero"] = float(st["all_zero"].mean())
+    metrics["collapse/all_zero_groups"] = float(st["all_zero"].sum())
     metrics["collapse/frac_all_one"] = float(st["all_one"].mean())
     resolved = st["resolved"].copy()
     collapse = np.where(st["all_zero"], COLLAPSE_ALL_ZERO,

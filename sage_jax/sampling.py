@@ -91,6 +91,14 @@ def prompt_bucket(n: int) -> int:
     return max(PROMPT_BUCKET_MIN, 1 << max(n - 1, 0).bit_length())
 
 
+def length_bucket(n: int) -> int:
+    """Padded length of a training row of n tokens: the next multiple of 1/8 of n's power of
+    two (at least 16): eight sizes per octave, so padding is under 1/8 and recompiles are few."""
+    n = max(int(n), 1)
+    step = max(PROMPT_BUCKET_MIN, 1 << max((n - 1).bit_length() - 4, 0))
+    return -(-n // step) * step
+
+
 def batch_bucket(n: int) -> int:
     """Padded number of prompts for n prompts: the next power of two, at least 8."""
     return max(BATCH_BUCKET_MIN, 1 << max(n - 1, 0).bit_length())

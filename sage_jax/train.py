@@ -36,7 +36,8 @@ def rollout_settings(cfg) -> rollout.RolloutSettings:
         method=rl.method, group_size=rl.group_size, max_new_tokens=rl.max_new_tokens,
         temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
         collapse_std=rl.collapse_std, success_threshold=rl.success_threshold,
-        hint_source=h.source, hint_refresh_every=h.refresh_every if h.source == "online" else 0,
+        hint_source="online" if h.source == "auto" else h.source,
+        hint_refresh_every=h.refresh_every if h.source in ("online", "auto") else 0,
         hint_temperature=h.temperature, hint_max_new_tokens=h.max_new_tokens,
         hint_retries=h.retries, hint_max_request_tokens=h.max_request_tokens, light_low=h.low,
         light_high=h.high, max_level=h.max_level)
@@ -58,6 +59,15 @@ def step_metrics(ro: rollout.Rollout, max_new_tokens: int, eos_ids) -> dict[str,
     return {"reward/mean": float(ro.rewards.mean()),
             "response/mean_length": float(lengths.mean()),
             "response/clipped_frac": float(truncated.mean())}
+
+
+def group_record(ro: rollout.Rollout, dataset_ids, success_threshold: float = 0.0
+                 ) -> dict[str, list]:
+    """Per prompt of the step: dataset id, first-pass status (`rollout.COLLAPSE_*`), hint level
+    and re-sample round of the trained group, and whether the trained group solved it."""
+    return {"id": [int(i) for i in dataset_ids], "collapse": ro.collapse.tolist(),
+            "level": ro.level.tolist(), "round": ro.round.tolist(),
+            "solved": (ro.rewards.max(axis=1) > success_threshold).astype(int).tolist()}
 
 
 def sample_records(ro: rollout.Rollout, examples, task, limit: int = 4) -> list[dict]:
@@ -181,12 +191,13 @@ def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
                 elapsed = time.perf_counter() - t_step
                 metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics,
                            **{k: float(v) for k, v in upd.items()}, **timer.metrics(),
-                           "time/step_s": elapsed,
+                           "time/step_s": elapsed, "tokens/sampled": sampler.generated_tokens,
                            "throughput/tokens_per_s": sampler.generated_tokens / elapsed}
                 if eval_problems and (step + 1) % cfg.eval.every == 0:
                     metrics.update(run_eval(cfg, graphdef, state.params, task, eval_problems,
                                             scorer))
                 logger.log(step + 1, metrics)
+                logger.log_groups(step + 1, group_record(ro, idx, cfg.rl.success_threshold))
                 if cfg.train.samples_every and (step + 1) % cfg.train.samples_every == 0:
                     logger.log_samples(step + 1, sample_records(ro, batch_examples, task))
                 done = step + 1
@@ -261,15 +272,19 @@ def parse(argv=None):
 
 def run(cfg, workdir) -> dict:
     """`train`, and around it for the built-in toy task: the calibration gate before RL on a
-    fresh run, the no-hint evaluation by difficulty and summary.md/.png after (single-process
-    runs only: the toy job is a one-machine testbed)."""
+    fresh run (which also resolves `hint.source: auto`), the no-hint evaluation by difficulty
+    and summary.md/.png after (single-process runs only: the toy job is a one-machine
+    testbed)."""
     from sage_jax.tasks import toy_job
     distributed.initialize_from_env()  # before anything below starts a JAX backend
     toy_extras = toy_job.is_default_toy_run(cfg) and jax.process_count() == 1
     fresh = not (Path(workdir) / "checkpoints").is_dir()
+    cal = None
     if toy_extras and fresh and cfg.task.toy.calibrate:
         Path(workdir).mkdir(parents=True, exist_ok=True)
-        toy_job.before_rl(cfg, workdir, build.load_model(cfg))
+        cal = toy_job.before_rl(cfg, workdir, build.load_model(cfg))
+    if toy_extras:
+        cfg = toy_job.with_hint_source(cfg, workdir, cal)
     metrics = train(cfg, workdir)
     if toy_extras:
         toy_job.after_rl(cfg, workdir)

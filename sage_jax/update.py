@@ -1,7 +1,8 @@
 """The GRPO update: AdamW, and a jitted, sharded `train_step(state, batch) -> (state, metrics)`.
 
 Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
-  tokens_NxL     int32  left-padded prompt, then the answer, then right padding
+  tokens_NxL     int32  the prompt, then the answer; padding before or after (positions count
+                        valid tokens only, so both give the same log-probs)
   mask_NxL       bool   valid tokens (prompt and answer)
   loss_mask_NxL  bool   answer tokens, end-of-sequence included: the tokens that get gradient
   advantages_N   f32    one advantage per answer (`grpo.group_advantages`, flattened)

@@ -30,6 +30,11 @@ class CharTask:
     def decode(self, ids):
         return "".join(chr(int(i)) for i in ids if int(i))
 
+    def reference_hints(self, problem, solution, answer):
+        """Levels 1..3: the first 1, 2, 3 ';'-steps of the solution (the last is the answer)."""
+        steps = solution.split(";")[:-1]
+        return {lvl: ";".join(steps[:lvl]) for lvl in (1, 2, 3) if lvl <= len(steps)}
+
 
 class ScriptedPolicy:
     """Answers right only when the prompt's hint level is >= the problem's 'need' level.
@@ -55,7 +60,7 @@ class ScriptedPolicy:
                 continue
             problem, _, hint = text[2:].partition("|H:")
             need = int(problem.split("n")[1])
-            have = int(hint[1:]) if hint else 0
+            have = int(hint.split(";")[-1][1:]) if hint else 0  # 'L1;L2' is a level-2 hint
             ans = "RIGHT" if have >= need else "WRONG"
             outs.append([f"{ans}@{have}"] * num_samples)
         t = max_new_tokens
@@ -312,3 +317,81 @@ def test_hinted_vs_plain_loss_context_differs_exactly_by_the_hint_tokens():
             assert "".join(map(chr, hp[len(pp):])) == "|H:" + out.hints[b]
         else:
             assert hp == pp
+
+
+def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
+    """The update's rows are packed (prompt, answer, right padding); their log-probs equal
+    those of the sampler's layout (prompt left-padded to P columns, answer in T columns)."""
+    from flax import nnx
+
+    from sage_jax import batching, grpo, models, sampling
+    ex = make_examples([0, 2, 3, 1])
+    out, _, _ = run("sage", ex)
+    batch = batching.train_batch(out, loss_context="hinted")
+    t = out.samples.tokens.shape[-1]
+    p = sampling.prompt_bucket(max(len(x) for x in out.prompts))
+    ptok, pmask = batching.left_pad(out.prompts, p, 0)
+    rows = np.arange(len(ex) * G) // G
+    ans = out.samples.tokens.reshape(-1, t)
+    alive = np.arange(t)[None] < out.samples.lengths.reshape(-1, 1)
+    old_tok = np.concatenate([ptok[rows], ans], 1)
+    old_mask = np.concatenate([pmask[rows], alive], 1)
+    old_loss = np.concatenate([np.zeros_like(pmask[rows]), alive], 1)
+    longest = max(len(out.prompts[r]) + n for r, n in zip(rows, out.samples.lengths.ravel()))
+    assert batch["tokens_NxL"].shape[1] == sampling.length_bucket(longest)
+    cfg = models.ModelConfig(family="llama", vocab_size=128, hidden_size=32,
+                             intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=8)
+    graphdef, params = nnx.split(models.Decoder(cfg, rngs=nnx.Rngs(3)))
+    new = np.asarray(grpo.token_logprobs(graphdef, params, batch["tokens_NxL"],
+                                         batch["mask_NxL"], need_NxL=batch["loss_mask_NxL"]))
+    old = np.asarray(grpo.token_logprobs(graphdef, params, old_tok, old_mask, need_NxL=old_loss))
+    for n in range(len(rows)):
+        np.testing.assert_array_equal(batch["tokens_NxL"][n][batch["loss_mask_NxL"][n]],
+                                      old_tok[n][old_loss[n]])
+        np.testing.assert_allclose(new[n][batch["loss_mask_NxL"][n]], old[n][old_loss[n]],
+                                   atol=2e-5)
+    assert batch["loss_mask_NxL"].sum() == old_loss.sum() > 0
+
+
+def test_reference_hints_rescue_collapsed_groups_without_writing_and_train_on_them():
+    from sage_jax import batching
+    ex = [Example(problem=f"p{i}n{n}", answer="RIGHT", solution="L1;L2;L3;RIGHT", hint=None,
+                  index=i) for i, n in enumerate([0, 1, 2, 3, 4])]
+    out, policy, tables = run("sage", ex, hint_source="reference")
+    assert not [c for c in policy.calls if c[2][0].startswith("R:")]  # nothing was written
+    np.testing.assert_array_equal(out.level, [0, 1, 2, 3, 3])
+    assert out.hints[1:] == ["L1", "L1;L2", "L1;L2;L3", "L1;L2;L3"]
+    assert out.metrics["collapse/all_zero_groups"] == 4
+    # all-zero groups rescued: p1..p3 solved with their hint, p4 (needs more) stays all-zero
+    assert out.metrics["hint/rescued"] == 0  # groups are all-RIGHT or all-WRONG in the double
+    np.testing.assert_array_equal(out.rewards.max(1), [1, 1, 1, 1, 0])
+    assert out.metrics["collapse/frac_all_zero_after"] == 0.2
+    assert (tables.hint_step == -1).all()  # reference hints are not cached: nothing to refresh
+    batch = batching.train_batch(out, loss_context="hinted")
+    for b in (1, 2, 3):  # the update trains on the hinted context
+        row = batch["tokens_NxL"][b * G][batch["mask_NxL"][b * G] & ~batch["loss_mask_NxL"][b * G]]
+        assert "".join(map(chr, row)) == "Q:" + ex[b].problem + "|H:" + out.hints[b]
+
+
+def test_reference_source_rescues_a_mixed_group_with_a_stochastic_policy():
+    """With answers right half the time once hinted, the rescued groups are mixed: they get
+    non-zero advantages (what SAGE is for)."""
+    from sage_jax import batching
+
+    class Half(ScriptedPolicy):
+        def __call__(self, prompts, **kw):
+            out = super().__call__(prompts, **kw)
+            out.tokens[:, 1::2] = out.tokens[:, :1]  # every other sample copies the first
+            wrong = np.asarray([ord(c) for c in "WRONG@0"])
+            out.tokens[:, 1::2, :len(wrong)] = wrong
+            out.lengths[:, 1::2] = len(wrong)
+            return out
+
+    ex = [Example(problem="p0n2", answer="RIGHT", solution="L1;L2;L3;RIGHT", hint=None,
+                  index=0)]
+    out, _, _ = run("sage", ex, policy=Half(), hint_source="reference")
+    assert out.collapse[0] == rollout.COLLAPSE_ALL_ZERO and out.level[0] == 2
+    assert out.metrics["hint/rescued"] == 1 and out.metrics["collapse/frac_all_zero_after"] == 0
+    adv = batching.train_batch(out)["advantages_N"]
+    assert (adv[::2] > 0).all() and (adv[1::2] < 0).all()

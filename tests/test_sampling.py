@@ -306,3 +306,11 @@ def test_chunked_prefill_of_long_prompts_gives_the_same_result(monkeypatch):
     chunked = sampling.generate(model, prompts, **kw)
     np.testing.assert_array_equal(chunked.tokens, whole.tokens)
     np.testing.assert_allclose(chunked.logprobs, whole.logprobs, atol=1e-5)
+
+
+def test_length_bucket_pads_under_an_eighth():
+    assert [sampling.length_bucket(n) for n in (1, 16, 17, 100, 129, 145, 1000, 8300)] == [
+        16, 16, 32, 112, 144, 160, 1024, 9216]
+    for n in range(1, 5000, 7):
+        b = sampling.length_bucket(n)
+        assert n <= b and (b - n) < max(16, n / 8)

@@ -1,5 +1,7 @@
 """SFT trainer: batches and masks, loss goes down, early stop; toy teacher-forced metrics."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -84,6 +86,57 @@ def test_calibrate_reports_every_number_and_the_gate():
     assert set(cal["pass_by_level"]) == {0, 1, 3}
     assert set(cal["all_zero_by_k"]) == {2, 3} and 0 <= cal["all_zero"] <= 1
     assert set(cal["hint_write_acc"]) == {1, 3}
-    assert set(cal["gate"]) == {"all_zero", "l3_above_no_hint", "passed"}
+    assert set(cal["gate"]) == {"all_zero", "l3_above_no_hint", "self_hints", "passed"}
     text = toy_calibrate.format_calibration(cal)
     assert "all-zero" in text and "hint writing" in text
+
+
+class ScriptedToyPolicy:
+    """A `generate` double on the toy formats: bare prompts get a wrong answer, level-3 hinted
+    prompts the right continuation (so groups collapse and hints help), and hint requests the
+    reference payload (`copies`) or one with every digit off by one."""
+
+    def __init__(self, copies: bool):
+        self.copies, self.task = copies, toy.ToyTask()
+
+    def answer(self, text: str) -> str:
+        if text.startswith(toy.SOLUTION_TAG):
+            hints = toy.reference_hints(text[2:].split("\n")[0])
+            if not self.copies:
+                hints = {lvl: "".join(str((int(c) + 1) % 10) if c.isdigit() else c for c in h)
+                         for lvl, h in hints.items()}
+            return toy.hint_payload(hints)
+        problem, _, rest = text[2:].partition("\n")
+        hint = rest[2:].strip() if rest.startswith(toy.HINT_TAG) else ""
+        p = toy.ToyProblem.parse(problem)
+        if hint and hint == toy.reference_hints(p).get(3):
+            return toy.continuation(p, hint)
+        return "a=0+0=0;A:0"
+
+    def __call__(self, model, prompts, *, max_new_tokens, num_samples, **kw):
+        del model, kw
+        rows = [self.task.encode_answer(self.answer(self.task.tok.decode(p)))[:max_new_tokens]
+                for p in prompts for _ in range(num_samples)]
+        tokens = np.zeros((len(rows), max_new_tokens), np.int32)
+        for r, ids in enumerate(rows):
+            tokens[r, :len(ids)] = ids
+        return types.SimpleNamespace(tokens=tokens, lengths=np.asarray([len(x) for x in rows]))
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_gate_fails_when_the_policy_cannot_write_its_hints(copies):
+    kw = dict(spec=toy.ToySpec(4, 6), problems_per_length=3, group_size=2,
+              generate=ScriptedToyPolicy(copies))
+    cal = toy_calibrate.calibrate(None, method="sage", hint_source="online", **kw)
+    assert cal["gate"]["all_zero"] and cal["gate"]["l3_above_no_hint"]
+    assert cal["hint_write_acc"] == ({1: 1.0, 2: 1.0, 3: 1.0} if copies
+                                     else {1: 0.0, 2: 0.0, 3: 0.0})
+    assert cal["gate"]["self_hints"] is copies and cal["gate"]["passed"] is copies
+    notes = "\n".join(cal["gate_notes"])
+    assert ("degenerates to GRPO" in notes) is not copies
+    # auto picks the policy's own hints only when they are right; GRPO has nothing to check
+    auto = toy_calibrate.calibrate(None, method="sage", hint_source="auto", **kw)
+    assert auto["hint_source"] == ("online" if copies else "reference")
+    assert auto["gate"]["passed"]  # reference hints need no writing skill
+    grpo = toy_calibrate.calibrate(None, method="grpo", hint_source="online", **kw)
+    assert grpo["gate"]["self_hints"] and grpo["gate"]["passed"]

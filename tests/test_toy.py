@@ -232,3 +232,39 @@ def test_toy_model_config_is_toy_sized():
     assert cfg.vocab_size == CharTokenizer.vocab_size
     assert 0.5e6 < cfg.num_params() < 1.2e6
     assert cfg.eos_ids == CharTokenizer.eos_ids
+
+
+def test_reference_source_levels_are_the_tasks_rule_and_never_the_answer():
+    task = toy.ToyTask()
+    for p in toy.make_problems(40, toy.ToySpec(1, 16), seed=3):
+        got = task.reference_hints(p.text, p.solution, p.answer)
+        assert got == toy.reference_hints(p)
+        for hint in got.values():
+            assert toy.ANSWER_TAG not in hint and p.solution.startswith(hint)
+            assert len(hint.split(toy.STEP_SEP)) < p.k  # never the last step
+
+
+def test_math_reference_hints_are_solution_prefixes_without_the_final_answer():
+    import json
+    from pathlib import Path
+
+    from sage_jax.tasks import math as math_task
+    path = Path(__file__).resolve().parents[2] / "shared/data/eval/math500/test.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()[:200]]
+    levels_seen = set()
+    for r in rows:
+        hints = math_task.MathTask.reference_hints(r["problem"], r["solution"], r["answer"])
+        levels_seen |= set(hints)
+        steps = math_task.solution_steps(r["solution"])
+        prev = ""
+        for lvl in sorted(hints):
+            h = hints[lvl]
+            assert h.split("\n") == steps[:len(h.split("\n"))]  # a prefix of the steps
+            assert len(h) > len(prev) and h.startswith(prev)  # each level stronger
+            assert "\\boxed" not in h
+            prev = h
+    assert levels_seen == {1, 2, 3}
+    gsm = ("She sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 "
+           "clips in April and May.\n#### 72")
+    assert math_task.prefix_hints(gsm, "72") == {1: "She sold 48/2 = <<48/2=24>>24 clips in May."}
+    assert math_task.prefix_hints("The answer is $\\boxed{5}$.", "5") == {}

@@ -24,6 +24,11 @@ class Task(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids (special tokens dropped)."""
 
+    def reference_hints(self, problem: str, solution: str, answer: str) -> dict[int, str]:
+        """{level: hint} derived from the reference solution by the task's fixed rule (the
+        `reference` hint source): prefixes of the solution at several strengths, never the final
+        answer. Levels the solution is too short for are absent."""
+
 
 def ground_truth(task: Task, example, hint: str | None = None) -> str:
     """What `task`'s reward compares an answer to, for an example (`.problem`, `.answer`) asked

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from sage_jax.models.tokenizer import Tokenizer
+from sage_jax.sage import LEVELS, leaks_answer
 
 # SAGE's and Qwen-Math's evaluation instruction; training uses the same one.
 ANSWER_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -25,6 +27,41 @@ Write three hints for a student who has not solved this problem, each stronger t
 - level3 (detailed): substantial guidance through most of the reasoning.
 Never state the final answer and never use \\boxed{{}}. Reply with one JSON object and nothing else:
 {{"level1": "...", "level2": "...", "level3": "..."}}"""
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\\$(])")
+_FINAL = re.compile(r"\\boxed|^\s*####|final answer", re.I)
+
+
+def solution_steps(solution: str) -> list[str]:
+    """The steps of a worked solution: the sentences of its non-empty lines."""
+    return [s.strip() for line in solution.splitlines() for s in _SENTENCE_END.split(line)
+            if s.strip()]
+
+
+def prefix_hints(solution: str, answer: str) -> dict[int, str]:
+    """The `reference` hint levels of a math solution: the steps before the one that states the
+    final answer (the first step with a `\\boxed{}`, a `####` line or "final answer", and a
+    last step that names the answer are dropped); level l is the first round(l * n / 4) of the
+    n remaining steps (a quarter, half, three quarters), at least one. A level that would be
+    empty, repeat the level below or box the answer is absent."""
+    steps = solution_steps(solution or "")
+    for i, s in enumerate(steps):
+        if _FINAL.search(s):
+            steps = steps[:i]
+            break
+    want = str(answer).strip()
+    if steps and want and re.search(rf"(?<![\w.]){re.escape(want)}(?![\w]|\.\d)", steps[-1]):
+        steps = steps[:-1]
+    out, last = {}, 0
+    for level in LEVELS:
+        n = min(max(1, round(level * len(steps) / 4)), len(steps))
+        if n > last:
+            text = "\n".join(steps[:n])
+            if not leaks_answer(text, want):
+                out[level] = text
+            last = n
+    return out
 
 
 class MathTask:
@@ -50,3 +87,8 @@ class MathTask:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(ids)
+
+    @staticmethod
+    def reference_hints(problem: str, solution: str, answer: str) -> dict[int, str]:
+        del problem
+        return prefix_hints(solution, answer)

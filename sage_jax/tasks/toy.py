@@ -294,6 +294,12 @@ class ToyTask:
         del answer  # the continuation ends with it
         return continuation(ToyProblem.parse(problem), hint)
 
+    @staticmethod
+    def reference_hints(problem: str, solution: str, answer: str) -> dict[int, str]:
+        """The levels of `reference_hints` (1 step, k/2 steps, k-1 steps of the solution)."""
+        del problem, answer  # the solution's steps are all the rule needs
+        return reference_hints(solution)
+
     def encode_answer(self, text: str) -> list[int]:
         """Ids of an answer (or hint payload) with its closing <eos>."""
         return self.tok.encode(text, eos=True)

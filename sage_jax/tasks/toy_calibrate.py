@@ -33,6 +33,25 @@ SFT_DEFAULTS = dict(steps=6000, batch_size=32, lr=3e-3, warmup=50, target_step_a
                     short_target=0.8)
 GATE_ALL_ZERO = 0.35  # at least this share of groups all-zero at step 0
 GATE_L3_MARGIN = 0.10  # level-3 pass rate at the hardest length at least this above no hint
+GATE_WRITE_ACC = 0.5  # self-written hints (online / offline): level 1 right at least this often
+SELF_WRITTEN = ("online", "offline")  # hint sources whose hints the policy writes
+
+
+def pick_hint_source(source: str, write_acc_l1: float | None) -> tuple[str, str]:
+    """(hint source, why) for a configured `hint.source`: `auto` becomes `online` when the
+    policy's own level-1 hints match the reference at least `GATE_WRITE_ACC` of the time (None:
+    not measured), else `reference`; any other source stays as configured."""
+    if source != "auto":
+        return source, "as configured (hint.source)"
+    if write_acc_l1 is None:
+        return "reference", "auto without a calibration gate: hints from the reference solution"
+    if write_acc_l1 >= GATE_WRITE_ACC:
+        return "online", (f"auto: the policy's own level-1 hints match the reference "
+                          f"{write_acc_l1:.0%} of the time (>= {GATE_WRITE_ACC:.0%})")
+    return "reference", (f"auto: the policy's own level-1 hints match the reference only "
+                         f"{write_acc_l1:.0%} of the time (< {GATE_WRITE_ACC:.0%}), so "
+                         f"self-written hints would rescue nothing; hints from the reference "
+                         f"solution instead")
 
 
 # ---- teacher forcing ------------------------------------------------------------------------
@@ -233,7 +252,8 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
               spec: toy.ToySpec = toy.RL_SPEC, problems_per_length: int = 32,
               group_size: int = 8, temperature: float = 1.0, hint_temperature: float = 0.0,
               levels: Sequence[int] = (1, 2, 3), seed: int = 0,
-              problems: Sequence[toy.ToyProblem] | None = None) -> dict:
+              problems: Sequence[toy.ToyProblem] | None = None, method: str = "sage",
+              hint_source: str = "online") -> dict:
     """Sampled calibration of a policy on the RL prompt distribution.
 
     `generate(model, prompts, *, max_new_tokens, temperature, top_p, top_k, eos_token_id, key,
@@ -247,7 +267,11 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
       pass_by_level: {level: {k: pass rate}} (level 0 = no hint) and pass_by_level_all;
       hint_parse_rate: share of written payloads `sage.parse_hints` accepts;
       hint_write_acc: {level: share of problems whose written level-l hint equals the reference};
-      gate: {"all_zero": bool, "l3_above_no_hint": bool, "passed": bool} and gate_notes (text);
+      hint_source, hint_source_reason: the source RL uses (`pick_hint_source` of `hint_source`);
+      gate: {"all_zero": bool, "l3_above_no_hint": bool, "self_hints": bool, "passed": bool}
+        and gate_notes (text). `self_hints` fails when `method` hints (sage, sage_light) with
+        hints the policy writes itself (online, offline) and its level-1 hints are right less
+        than `GATE_WRITE_ACC` of the time: SAGE then degenerates to GRPO;
       seconds.
     """
     t0 = time.perf_counter()
@@ -325,8 +349,19 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     notes.append("hint writing (policy vs reference) " + ", ".join(
         f"L{lvl} {out['hint_write_acc'][lvl]:.0%}" for lvl in levels)
         + f", parsed {out['hint_parse_rate']:.0%}")
+    l1 = out["hint_write_acc"].get(1)
+    source, why = pick_hint_source(hint_source, l1)
+    out["hint_source"], out["hint_source_reason"] = source, why
+    ok_self = True
+    if method in ("sage", "sage_light") and source in SELF_WRITTEN:
+        ok_self = l1 is not None and l1 >= GATE_WRITE_ACC
+        notes.append(f"self-written hints ({method}, hint.source={source}): level 1 right "
+                     f"{l1:.0%} (want >= {GATE_WRITE_ACC:.0%}): " + (
+                         "ok" if ok_self else "FAIL: the policy cannot write its hints, so "
+                         "SAGE rescues nothing and degenerates to GRPO"))
+    notes.append(f"hint source: {source} ({why})")
     out["gate"] = {"all_zero": bool(ok_zero), "l3_above_no_hint": bool(ok_l3),
-                   "passed": bool(ok_zero and ok_l3)}
+                   "self_hints": bool(ok_self), "passed": bool(ok_zero and ok_l3 and ok_self)}
     out["gate_notes"] = notes
     out["seconds"] = time.perf_counter() - t0
     return out

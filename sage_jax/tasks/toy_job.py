@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from sage_jax import models
+from sage_jax import config as config_lib, models
 from sage_jax.tasks import toy, toy_calibrate
 
 DESIGN_VERSION = 5  # bump when the toy task's formats or the SFT recipe change
@@ -121,12 +121,31 @@ def before_rl(cfg, workdir: str | Path, model) -> dict | None:
     cal = toy_calibrate.calibrate(model, spec=spec(cfg),
                                   problems_per_length=cfg.task.toy.calibrate_per_length,
                                   group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
-                                  seed=cfg.train.seed)
+                                  seed=cfg.train.seed, method=cfg.rl.method,
+                                  hint_source=cfg.hint.source)
     print(toy_calibrate.format_calibration(cal), flush=True)
     if not cal["gate"]["passed"]:
         print("calibration gate: NOT passed (see above); continuing with RL anyway", flush=True)
     (workdir / "calibration.json").write_text(json.dumps(cal, indent=1, default=str))
     return cal
+
+
+def with_hint_source(cfg, workdir: str | Path, cal: dict | None = None):
+    """`cfg` with `hint.source: auto` resolved (`toy_calibrate.pick_hint_source`) by the
+    calibration of this run (`cal`, else the run folder's calibration.json, so a resumed run
+    keeps its choice); printed. Other sources are returned unchanged."""
+    if cfg.hint.source != "auto":
+        return cfg
+    cal_file = Path(workdir) / "calibration.json"
+    if cal is None and cal_file.is_file():
+        cal = json.loads(cal_file.read_text())
+    if cal is not None and "hint_source" in cal:
+        source, why = cal["hint_source"], cal["hint_source_reason"]
+    else:
+        source, why = toy_calibrate.pick_hint_source("auto", None)
+    print(f"hint source: {source} ({why})", flush=True)
+    return config_lib.from_dict({**config_lib.to_dict(cfg),
+                                 "hint": {**config_lib.to_dict(cfg.hint), "source": source}})
 
 
 def accuracy_by_length(model, cfg, *, seed: int = 0) -> dict[int, float]:
