@@ -1,21 +1,29 @@
-"""The toy reproduction study: every method from the same SFT start, on the same prompts, at equal
-RL steps, over several seeds; writes a markdown report and PNG plots.
+"""The toy reproduction study: every arm from the same SFT start, on the same training prompts and
+evaluation problems, at equal RL steps, over several seeds; writes a markdown report and plots.
 
-    python scripts/reproduce_toy.py --seeds 3 --methods grpo,resample,sage,sage_light \
-        --out docs/toy_study [--steps 30] [section.key=value ...]
+    python scripts/reproduce_toy.py --seeds 5 --steps 60 --out docs/toy_study [section.key=value ...]
 
-Runs go to OUT/runs/<method>-s<seed> (re-running resumes finished or interrupted runs). The report
-(OUT/README.md) has: no-hint accuracy by difficulty (mean and 95% t-interval over seeds, on
-`task.toy.eval_per_length` held-out prompts per length, the same for every run), the share of
-training prompts never solved (the paper's Table 2 analogue), collapse and rescue rates over
-steps, and wall-clock per method relative to GRPO.
+Arms (`--arms`, default all): grpo; resample (the no-hint re-sampling control); sage-ref (SAGE
+with `hint.source=reference`); sage-online and sage-offline (hints the policy writes itself,
+every step or once; the report gives the SFT start's measured write accuracy next to them);
+sage-ref-plain (reference hints, `rl.loss_context=plain`: the paper's off-policy ablation);
+sage_light-ref (SAGE-light with reference hints). The study's prompt pool
+(`--problems`, default 128 prompts at 16 per step) is small enough that prompts are revisited,
+so SAGE-light has levels to carry and hint transfer can be measured.
+
+Runs go to OUT/runs/<arm>-s<seed>. Re-running the same command resumes: a finished run (its
+`study.json` exists) is skipped; an unfinished one continues from its last checkpoint (every
+`--checkpoint-every` steps). Each run is evaluated without hints at every `--eval-every` steps
+(and at its end) on the same held-out problems, for accuracy against sampled tokens and
+wall-clock. The report (`toy_study_report.py`) is written from all finished runs, so a study may
+span several sessions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,57 +32,87 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sage_jax import build, config, train  # noqa: E402
-from sage_jax.metrics import read_metrics  # noqa: E402
-from sage_jax.tasks import toy_job  # noqa: E402
+import toy_study_report as study  # noqa: E402
+from sage_jax import build, checkpoint, config, train  # noqa: E402
+from sage_jax.metrics import GROUPS_FILE, read_metrics  # noqa: E402
+from sage_jax.tasks import toy, toy_calibrate, toy_job  # noqa: E402
 
-T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def interval(values) -> tuple[float, float]:
-    """(mean, half-width of the 95% t-interval) over seeds."""
-    v = np.asarray(values, np.float64)
-    if len(v) < 2:
-        return float(v.mean()), float("nan")
-    return float(v.mean()), T95.get(len(v) - 1, 1.96) * float(v.std(ddof=1)) / math.sqrt(len(v))
-
-
-def fmt(values, digits: int = 3) -> str:
-    m, h = interval(values)
-    return f"{m:.{digits}f}" + ("" if math.isnan(h) else f" ± {h:.{digits}f}")
-
-
-def _int_keys(result: dict) -> dict:
-    """A result read back from JSON, its accuracy keyed by int length again."""
-    return {**result, "accuracy": {int(k): v for k, v in result["accuracy"].items()}}
+ARMS = {
+    "grpo": ["rl.method=grpo"],
+    "resample": ["rl.method=resample"],
+    "sage-ref": ["rl.method=sage", "hint.source=reference"],
+    "sage-online": ["rl.method=sage", "hint.source=online"],
+    "sage-offline": ["rl.method=sage", "hint.source=offline"],
+    "sage-ref-plain": ["rl.method=sage", "hint.source=reference", "rl.loss_context=plain"],
+    "sage_light-ref": ["rl.method=sage_light", "hint.source=reference"],
+}
+CURVES = ("reward/mean", "collapse/frac_all_zero", "collapse/frac_all_zero_after",
+          "hint/rescued", "hint/prompts_needing_hint")
 
 
-def run_one(method: str, seed: int, steps: int, out: Path, overrides: list[str]) -> dict:
-    """Trains (or resumes) one run and evaluates it; the result is cached in the run folder."""
-    wd = out / "runs" / f"{method}-s{seed}"
+def _int_keys(d: dict) -> dict:
+    return {int(k): v for k, v in d.items()}
+
+
+def _read_result(path: Path) -> dict:
+    res = json.loads(path.read_text())
+    res["accuracy"] = _int_keys(res["accuracy"])
+    for c in res["curve"]:
+        c["accuracy"] = _int_keys(c["accuracy"])
+    res["rescue"]["rate"] = _int_keys(res["rescue"]["rate"])
+    return res
+
+
+def run_config(arm: str, seed: int, steps: int, overrides: list[str], ckpt_every: int):
+    return config.load_config(train.DEFAULT_CONFIG, [
+        *ARMS[arm], f"train.seed={seed}", f"train.steps={steps}", "task.toy.calibrate=false",
+        "task.toy.report=false", "train.samples_every=0", f"checkpoint.every={ckpt_every}",
+        "checkpoint.keep=1000", *overrides])
+
+
+def read_groups(workdir: Path) -> list[dict]:
+    path = workdir / GROUPS_FILE
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
+            eval_every: int, ckpt_every: int) -> dict:
+    """Trains (or resumes) one run, evaluates its checkpoints; cached in the run folder."""
+    wd = out / "runs" / f"{arm}-s{seed}"
     done = wd / "study.json"
     if done.is_file():
-        return _int_keys(json.loads(done.read_text()))
-    cfg = config.load_config(train.DEFAULT_CONFIG, [
-        f"rl.method={method}", f"train.seed={seed}", f"train.steps={steps}",
-        "task.toy.calibrate=false", "task.toy.report=false", "train.samples_every=0",
-        *overrides])
+        return _read_result(done)
+    cfg = run_config(arm, seed, steps, overrides, ckpt_every)
     t0 = time.perf_counter()
     train.train(cfg, wd)
     wall = time.perf_counter() - t0
-    _, model, step = build.restore_policy(wd)
     rows = read_metrics(wd)
-    res = {"method": method, "seed": seed, "steps": step, "wall_s": wall,
-           "step_s": float(sum(r.get("time/step_s", 0.0) for r in rows)),
-           "accuracy": toy_job.accuracy_by_length(model, cfg, seed=seed),
-           "never_solved": rows[-1].get("hint/frac_never_solved", float("nan")),
-           "curves": {k: [r.get(k, float("nan")) for r in rows] for k in (
-               "reward/mean", "collapse/frac_all_zero", "collapse/frac_all_zero_after",
-               "hint/rescued", "hint/prompts_needing_hint")}}
+    groups = read_groups(wd)
+    tokens = np.cumsum([r.get("tokens/sampled", 0.0) for r in rows])
+    seconds = np.cumsum([r.get("time/step_s", 0.0) for r in rows])
+    ckpt = checkpoint.Checkpointer(wd, keep=1000)
+    saved = ckpt.all_steps()
+    ckpt.close()
+    points = [s for s in saved if s % eval_every == 0 or s == max(saved)]
+    curve = []
+    for s in points:
+        _, model, _ = build.restore_policy(wd, step=s)
+        curve.append({"step": s, "tokens": float(tokens[s - 1]), "seconds": float(seconds[s - 1]),
+                      "accuracy": toy_job.accuracy_by_length(model, cfg, seed=seed)})
+    for s in saved[:-1]:  # keep the last checkpoint only (disk); the curve is measured
+        shutil.rmtree(wd / "checkpoints" / str(s), ignore_errors=True)
+    step_s = [r["time/step_s"] for r in rows[1:] if "time/step_s" in r]  # step 1 compiles
+    res = {"arm": arm, "seed": seed, "steps": len(rows), "wall_s": wall,
+           "median_step_s": float(np.median(step_s)) if step_s else float("nan"),
+           "accuracy": curve[-1]["accuracy"], "curve": curve,
+           "never_solved": study.never_solved(groups), "rescue": study.rescue_by_level(groups),
+           "transfer": study.transfer(groups),
+           "curves": {k: [r.get(k, float("nan")) for r in rows] for k in CURVES}}
     done.write_text(json.dumps(res, indent=1))
-    print(f"{method} seed {seed}: {steps} steps in {wall:.0f}s, accuracy "
-          + " ".join(f"k{k}={v:.2f}" for k, v in res["accuracy"].items()), flush=True)
+    print(f"{arm} seed {seed}: {len(rows)} steps in {wall:.0f}s, no-hint accuracy "
+          f"{study.overall(res['accuracy']):.3f}", flush=True)
     return res
 
 
@@ -82,7 +120,7 @@ def start_accuracy(seeds, out: Path, overrides: list[str]) -> list[dict]:
     """No-hint accuracy of the SFT start itself, with each seed's sampling key."""
     path = out / "sft_start.json"
     if path.is_file():
-        return [_int_keys(r) for r in json.loads(path.read_text())]
+        return [{**r, "accuracy": _int_keys(r["accuracy"])} for r in json.loads(path.read_text())]
     cfg = config.load_config(train.DEFAULT_CONFIG, overrides)
     model = build.load_model(cfg)
     res = [{"seed": s, "accuracy": toy_job.accuracy_by_length(model, cfg, seed=s)}
@@ -91,114 +129,77 @@ def start_accuracy(seeds, out: Path, overrides: list[str]) -> list[dict]:
     return res
 
 
-def report(results: list[dict], start: list[dict], methods: list[str], out: Path,
-           cfg_note: str) -> str:
-    by = {m: [r for r in results if r["method"] == m] for m in methods}
-    ks = sorted({k for r in results for k in r["accuracy"]})
-    acc = lambda rs, k: [r["accuracy"][k] for r in rs]  # noqa: E731
-    cols = ["SFT start", *methods]
-    lines = ["# Toy reproduction study", "", cfg_note, "",
-             "## No-hint accuracy by difficulty (mean ± 95% t-interval over seeds)", "",
-             "| steps (k) | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for k in ks:
-        cells = [fmt(acc(start, k))] + [fmt(acc(by[m], k)) for m in methods]
-        lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    mean_all = lambda rs: [np.mean(list(r["accuracy"].values())) for r in rs]  # noqa: E731
-    lines.append("| all | " + " | ".join([fmt(mean_all(start))]
-                                          + [fmt(mean_all(by[m])) for m in methods]) + " |")
-    grpo_s = np.mean([r["step_s"] for r in by.get("grpo", [])]) if by.get("grpo") else None
-    lines += ["", "## Training: never-solved prompts, collapse, rescue, wall-clock", "",
-              "| method | never solved (Table 2 analogue) | all-zero groups | all-zero after "
-              "hints | rescued / step | wall-clock vs grpo |", "|---|---|---|---|---|---|"]
-    for m in methods:
-        rs = by[m]
-        mean_curve = lambda key: [np.nanmean(r["curves"][key]) for r in rs]  # noqa: E731
-        rel = (f"{np.mean([r['step_s'] for r in rs]) / grpo_s:.2f}×" if grpo_s else "-")
-        lines.append(f"| {m} | {fmt([r['never_solved'] for r in rs])} | "
-                     f"{fmt(mean_curve('collapse/frac_all_zero'))} | "
-                     f"{fmt(mean_curve('collapse/frac_all_zero_after'))} | "
-                     f"{fmt(mean_curve('hint/rescued'), 2)} | {rel} |")
-    lines += ["", "Runs per method: " + ", ".join(f"{m}: {len(by[m])}" for m in methods)
-              + ". Per-run results: `results.json` (also `runs/<method>-s<seed>/study.json`, "
-              "not committed, with the checkpoints).", "",
-              "![accuracy by difficulty](accuracy.png)", "", "![training curves](curves.png)",
-              ""]
-    text = "\n".join(lines)
-    (out / "README.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"sft_start": start, "runs": results}, indent=1))
-    plots(by, start, methods, ks, out)
-    return text
-
-
-def plots(by, start, methods, ks, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, rs in [("SFT start", start)] + [(m, by[m]) for m in methods]:
-        ms, hs = zip(*[interval([r["accuracy"][k] for r in rs]) for k in ks])
-        ax.errorbar(ks, ms, yerr=np.nan_to_num(hs), marker="o", capsize=3, label=name)
-    ax.set_xlabel("difficulty (steps k)")
-    ax.set_ylabel("no-hint pass rate")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=110)
-    plt.close(fig)
-
-    keys = [("reward/mean", "reward"), ("collapse/frac_all_zero", "all-zero groups"),
-            ("collapse/frac_all_zero_after", "all-zero after hints / re-samples")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4))
-    for ax, (key, label) in zip(axes, keys):
-        for m in methods:
-            curves = np.asarray([r["curves"][key] for r in by[m]], np.float64)
-            if curves.size:
-                ax.plot(np.arange(1, curves.shape[1] + 1), np.nanmean(curves, 0), label=m)
-        ax.set_title(label, fontsize=9)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=110)
-    plt.close(fig)
+def write_accuracy(out: Path, overrides: list[str]) -> dict:
+    """The SFT start's greedy hint-writing accuracy per level on held-out RL-length problems."""
+    path = out / "write_accuracy.json"
+    if path.is_file():
+        res = json.loads(path.read_text())
+        return {**res, "acc": _int_keys(res["acc"])}
+    cfg = config.load_config(train.DEFAULT_CONFIG, overrides)
+    problems = toy.make_problems(cfg.task.toy.eval_per_length, toy_job.spec(cfg),
+                                 seed=toy_job.EVAL_SEED, per_length=True)
+    res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems)
+    res = {"problems": len(problems), **res}
+    path.write_text(json.dumps(res, indent=1))
+    return res
 
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--methods", default="grpo,resample,sage,sage_light")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="RL steps per run (default: train.steps of configs/toy.yaml)")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
+    ap.add_argument("--steps", type=int, default=60, help="RL steps per run")
+    ap.add_argument("--problems", type=int, default=128, help="training prompt pool")
     ap.add_argument("--eval-per-length", type=int, default=32,
                     help="held-out test prompts per difficulty (task.toy.eval_per_length)")
+    ap.add_argument("--eval-every", type=int, default=20, help="evaluate every N steps")
+    ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--out", default="docs/toy_study")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write the report from the finished runs; train nothing")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = ap.parse_args(argv)
-    args.overrides = [f"task.toy.eval_per_length={args.eval_per_length}", *args.overrides]
-    methods = [m for m in args.methods.split(",") if m]
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    if args.eval_every % args.checkpoint_every:
+        ap.error("--eval-every must be a multiple of --checkpoint-every")
+    overrides = [f"task.toy.eval_per_length={args.eval_per_length}",
+                 f"task.toy.problems={args.problems}", *args.overrides]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    base = config.load_config(train.DEFAULT_CONFIG, args.overrides)
-    steps = args.steps or base.train.steps
     seeds = list(range(args.seeds))
     t0 = time.perf_counter()
-    start = start_accuracy(seeds, out, list(args.overrides))
-    results = [run_one(m, s, steps, out, list(args.overrides)) for s in seeds for m in methods]
+    start = start_accuracy(seeds, out, overrides)
+    writing = write_accuracy(out, overrides)
+    results = []
+    for s in seeds:
+        for a in arms:
+            done = out / "runs" / f"{a}-s{s}" / "study.json"
+            if args.report_only:
+                if done.is_file():
+                    results.append(_read_result(done))
+                continue
+            results.append(run_one(a, s, args.steps, out, overrides,
+                                   eval_every=args.eval_every, ckpt_every=args.checkpoint_every))
+    base = config.load_config(train.DEFAULT_CONFIG, overrides)
     t = base.task.toy
     note = (f"Toy task (chain arithmetic, lengths {t.min_steps}..{t.max_steps}), toy model "
-            f"warm-started by SFT (seed {t.sft_seed}), then {steps} RL steps of "
-            f"{base.rl.prompts_per_step} prompts × {base.rl.group_size} answers, lr "
-            f"{base.optim.lr}, seeds {seeds}; evaluation: {t.eval_per_length} held-out prompts "
-            f"per length × {t.eval_samples} samples at temperature {base.rl.temperature}, no "
-            f"hints. Command: `python scripts/reproduce_toy.py --seeds {args.seeds} --methods "
-            f"{args.methods} --steps {steps} --eval-per-length {args.eval_per_length}"
-            + (" " + " ".join(args.overrides[1:]) if args.overrides[1:] else "") + "`.")
-    text = report(results, start, methods, out, note)
+            f"warm-started by SFT (seed {t.sft_seed}), then {args.steps} RL steps of "
+            f"{base.rl.prompts_per_step} prompts × {base.rl.group_size} answers from a pool of "
+            f"{t.problems}, lr {base.optim.lr}, seeds {seeds}; evaluation: {t.eval_per_length} "
+            f"held-out prompts per length × {t.eval_samples} samples at temperature "
+            f"{base.rl.temperature}, no hints. Command: `python scripts/reproduce_toy.py "
+            f"--seeds {args.seeds} --arms {args.arms} --steps {args.steps} --problems "
+            f"{args.problems} --eval-per-length {args.eval_per_length} --eval-every "
+            f"{args.eval_every}" + (" " + " ".join(args.overrides) if args.overrides else "")
+            + "`.")
+    text = study.report(results, start, arms, out, note, write_acc=writing)
     print(text)
-    print(f"study done in {time.perf_counter() - t0:.0f}s; report {out / 'README.md'}")
+    print(f"study: {len(results)} runs reported in {time.perf_counter() - t0:.0f}s; report "
+          f"{out / 'README.md'}")
     return text
 
 

@@ -248,6 +248,38 @@ def sample_rewards(model: Decoder, problems: Sequence[toy.ToyProblem], *, group_
     return r.reshape(len(problems), group_size), texts
 
 
+def hint_write_accuracy(model: Decoder, problems: Sequence[toy.ToyProblem], *,
+                        task: toy.ToyTask | None = None, generate=None, temperature: float = 0.0,
+                        key=None, levels: Sequence[int] = (1, 2, 3)) -> dict:
+    """The policy writes one hint payload per problem (at `temperature`, 0 = greedy); returns
+    {"parse_rate": share `sage.parse_hints` accepts, "acc": {level: share whose level-l hint
+    equals the reference one (of the problems that have that level)}, "samples": 3 texts}."""
+    task = task or toy.ToyTask()
+    generate = generate or _default_generate()
+    kmax = max(p.k for p in problems)
+    requests = [task.hint_request(p.text, p.solution) for p in problems]
+    got = generate(model, requests, max_new_tokens=max_payload_tokens(kmax),
+                   temperature=temperature, top_p=1.0, top_k=0, eos_token_id=task.eos_ids,
+                   key=jax.random.PRNGKey(1000) if key is None else key, num_samples=1,
+                   prompt_ids=np.arange(len(problems), dtype=np.int32), pad_id=task.pad_id)
+    parsed_ok, samples = 0, []
+    right = {lvl: 0 for lvl in levels}
+    have = {lvl: 0 for lvl in levels}
+    for r, p in enumerate(problems):
+        text = task.decode(got.tokens[r, :got.lengths[r]])
+        written = sage.parse_hints(text, ground_truth=p.answer)
+        ref = toy.reference_hints(p)
+        parsed_ok += written is not None
+        for lvl in levels:
+            if lvl in ref:
+                have[lvl] += 1
+                right[lvl] += bool(written) and written.get(lvl) == ref[lvl]
+        if r < 3:
+            samples.append(text)
+    return {"parse_rate": parsed_ok / len(problems),
+            "acc": {lvl: right[lvl] / max(have[lvl], 1) for lvl in levels}, "samples": samples}
+
+
 def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
               spec: toy.ToySpec = toy.RL_SPEC, problems_per_length: int = 32,
               group_size: int = 8, temperature: float = 1.0, hint_temperature: float = 0.0,
@@ -310,27 +342,11 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     out["pass_by_level_all"] = pass_all
 
     # the policy writes hints (one payload per problem)
-    requests = [task.hint_request(p.text, p.solution) for p in problems]
-    got = generate(model, requests, max_new_tokens=max_payload_tokens(kmax),
-                   temperature=hint_temperature, top_p=1.0, top_k=0, eos_token_id=task.eos_ids,
-                   key=jax.random.fold_in(key, 1000), num_samples=1,
-                   prompt_ids=np.arange(len(problems), dtype=np.int32), pad_id=task.pad_id)
-    parsed_ok = 0
-    right = {lvl: 0 for lvl in levels}
-    have = {lvl: 0 for lvl in levels}
-    for r, p in enumerate(problems):
-        text = task.decode(got.tokens[r, :got.lengths[r]])
-        written = sage.parse_hints(text, ground_truth=p.answer)
-        ref = toy.reference_hints(p)
-        parsed_ok += written is not None
-        for lvl in levels:
-            if lvl in ref:
-                have[lvl] += 1
-                right[lvl] += bool(written) and written.get(lvl) == ref[lvl]
-        if r < 3:
-            examples.setdefault("write", []).append(text)
-    out["hint_parse_rate"] = parsed_ok / len(problems)
-    out["hint_write_acc"] = {lvl: right[lvl] / max(have[lvl], 1) for lvl in levels}
+    writing = hint_write_accuracy(model, problems, task=task, generate=generate,
+                                  temperature=hint_temperature, key=jax.random.fold_in(key, 1000),
+                                  levels=levels)
+    out["hint_parse_rate"], out["hint_write_acc"] = writing["parse_rate"], writing["acc"]
+    examples["write"] = writing["samples"]
     out["samples"] = examples
 
     # the gate

@@ -136,6 +136,7 @@ def with_hint_source(cfg, workdir: str | Path, cal: dict | None = None):
     keeps its choice); printed. Other sources are returned unchanged."""
     if cfg.hint.source != "auto":
         return cfg
+    printed = cal is not None  # the gate's notes name it
     cal_file = Path(workdir) / "calibration.json"
     if cal is None and cal_file.is_file():
         cal = json.loads(cal_file.read_text())
@@ -143,7 +144,8 @@ def with_hint_source(cfg, workdir: str | Path, cal: dict | None = None):
         source, why = cal["hint_source"], cal["hint_source_reason"]
     else:
         source, why = toy_calibrate.pick_hint_source("auto", None)
-    print(f"hint source: {source} ({why})", flush=True)
+    if not printed:
+        print(f"hint source: {source} ({why})", flush=True)
     return config_lib.from_dict({**config_lib.to_dict(cfg),
                                  "hint": {**config_lib.to_dict(cfg.hint), "source": source}})
 
