@@ -195,6 +195,9 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
     summ = {a: arm_summary(rs, grpo) for a, rs in by.items()}
     ks = sorted({k for r in results for k in r["accuracy"]})
     lines = ["# Toy reproduction study", "", note, ""]
+    reading = out / "reading.md"  # the hand-written reading, kept when the report is rewritten
+    if reading.is_file():
+        lines += [reading.read_text().strip(), ""]
     if write_acc:
         lines += [f"Hint writing of the SFT start (greedy, {write_acc['problems']} held-out "
                   "problems of the RL lengths, exact match with the reference levels): "

@@ -31,7 +31,13 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     assert "per device: params 3.3 MiB, optimiser 6.6 MiB" in out  # 0.87M float32 params
     # the gate was measured and printed before RL
     cal = json.loads((run / "calibration.json").read_text())
-    assert set(cal["gate"]) == {"all_zero", "l3_above_no_hint", "passed"}
+    assert set(cal["gate"]) == {"all_zero", "l3_above_no_hint", "self_hints", "passed"}
+    # hint.source: auto -> the gate picked the source (a 12-step SFT writes no right hint) and
+    # RL used it; a resumed run reads the same choice from the run folder
+    assert cal["hint_write_acc"]["1"] < 0.5 and cal["hint_source"] == "reference"
+    assert "hint source: reference (auto:" in out
+    assert config.load_config(run / "config.yaml").hint.source == "reference"
+    assert toy_job.with_hint_source(cfg, run).hint.source == "reference"
     assert cal["lengths"] == [2, 3] and "calibration" in out and "all-zero groups" in out
     # RL ran and logged every step; the summary has both tables and the plot
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
@@ -42,6 +48,7 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     summary = (run / "summary.md").read_text()
     assert "| steps (k) | SFT start | after sage (2 steps) |" in summary
     assert "| 1-1 |" in summary and "reward" in summary and "all-zero groups" in summary
+    assert "all-zero groups over the run" in summary or "No group was all-zero" in summary
     png = (run / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # a second start reads the cache (same parameters), it does not train again
