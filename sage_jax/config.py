@@ -114,7 +114,8 @@ class RLConfig(_Section):
         "token-mean")  # How token losses are averaged into the batch loss.
     kl_beta: float = 0.0  # Weight of the k3 KL penalty to a frozen reference; 0 = none.
     minibatches: int = 2  # Optimiser updates per training step (the batch is split this way).
-    micro_batch_size: int | None = None  # Sequences per gradient-accumulation pass; None = all.
+    # Sequences per gradient-accumulation pass; a smaller mini-batch is one pass; None = all.
+    micro_batch_size: int | None = None
     epochs_per_batch: int = 1  # Passes over each step's rollouts.
     collapse_std: float = 0.0  # A group has collapsed when its reward std is <= this.
     success_threshold: float = 0.0  # A prompt is resolved when some answer's reward exceeds this.
@@ -337,7 +338,8 @@ class Config(_Section):
                 f"rl.prompts_per_step={rl.prompts_per_step} must be divisible by "
                 f"rl.minibatches={rl.minibatches}")
         sequences = rl.prompts_per_step * rl.group_size // rl.minibatches
-        if rl.micro_batch_size is not None and sequences % rl.micro_batch_size:
+        if (rl.micro_batch_size is not None and rl.micro_batch_size < sequences
+                and sequences % rl.micro_batch_size):
             raise ConfigError(
                 f"rl.micro_batch_size={rl.micro_batch_size} must divide the {sequences} "
                 f"sequences of a minibatch (rl.prompts_per_step * rl.group_size / "

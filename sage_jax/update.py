@@ -17,8 +17,8 @@ One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates.
 holds rows j*K .. j*K+K-1 of every block of M*K rows (M mini-batches of K micro-batches), i.e.
 rows are dealt out in stripes, so every device holds an equal share of every (micro-)batch
 without moving data; shuffle rows beforehand for random mini-batches. A mini-batch is split into
-micro-batches of `rl.micro_batch_size` rows (all devices together) whose gradients are summed;
-the loss denominators (answer tokens, or sequences for the seq-mean modes) are those of the whole
+micro-batches of `rl.micro_batch_size` rows (all devices together; at most the mini-batch)
+whose gradients are summed; the loss denominators (answer tokens, or sequences for the seq-mean modes) are those of the whole
 mini-batch, so the result does not depend on the micro-batch size.
 """
 
@@ -89,7 +89,7 @@ def layout(n: int, rl) -> tuple[int, int, int]:
     m = rl.minibatches
     if n % m:
         raise ValueError(f"batch has {n} rows, not divisible by rl.minibatches={m}")
-    r = rl.micro_batch_size or n // m
+    r = min(rl.micro_batch_size or n // m, n // m)  # a smaller mini-batch is one pass
     if (n // m) % r:
         raise ValueError(f"rl.micro_batch_size={r} does not divide the {n // m} rows of a "
                          f"mini-batch ({n} rows / rl.minibatches={m})")
@@ -123,8 +123,10 @@ def check_batch(batch: dict, cfg, mesh) -> None:
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
 
 
-def _micro_loss(params, mb, denoms, *, graphdef, rl, chunk, remat, rows):
-    """(loss, metrics) of one micro-batch; losses and metrics add up over a mini-batch."""
+def _micro_loss(params, mb, denoms, fresh, *, graphdef, rl, chunk, remat, rows):
+    """(loss, metrics) of one micro-batch; losses and metrics add up over a mini-batch.
+    `fresh`: `params` are the ones the answers were sampled with, so the old log-probs are the
+    current ones (not recomputed: the ratio is exactly 1)."""
     tok_denom, seq_denom = denoms
     loss_mask = mb["loss_mask_NxL"]
     model = nnx.merge(graphdef, params)
@@ -134,7 +136,8 @@ def _micro_loss(params, mb, denoms, *, graphdef, rl, chunk, remat, rows):
                                           chunk=chunk, remat=remat)
     agg = dict(agg=rl.loss_agg, norm_len=rl.max_new_tokens,
                denom=tok_denom if rl.loss_agg == "token-mean" else seq_denom)
-    pg, metrics = grpo.policy_loss(logp, mb["old_logp_NxL"], mb["advantages_N"], loss_mask,
+    old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_NxL"])
+    pg, metrics = grpo.policy_loss(logp, old, mb["advantages_N"], loss_mask,
                                    clip_low=rl.clip_low, clip_high=rl.clip_high,
                                    dual_clip=rl.dual_clip, token_denom=tok_denom, **agg)
     loss = pg
@@ -147,9 +150,10 @@ def _micro_loss(params, mb, denoms, *, graphdef, rl, chunk, remat, rows):
     return loss, metrics
 
 
-def _prepare(params, batch, *, graphdef, rl, mesh, chunk):
+def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
     """The batch split to [M, K, R, ...] (row r*M*K + j*K + i -> [j, i, r]), with old log-probs
-    (recomputed from `params` when absent), and per-mini-batch token and sequence counts."""
+    (recomputed from `params` when absent; with `skip_first`, not for mini-batch 0, which the
+    first update takes fresh), and per-mini-batch token and sequence counts."""
     m, k, r = layout(batch["tokens_NxL"].shape[0], rl)
     split_sh = NamedSharding(mesh, P(None, None, parallel.ROWS))
 
@@ -164,9 +168,14 @@ def _prepare(params, batch, *, graphdef, rl, mesh, chunk):
         def old(mb):
             return grpo.token_logprobs(graphdef, params, mb["tokens_NxL"], mb["mask_NxL"],
                                        need_NxL=mb["loss_mask_NxL"], chunk=chunk)
-        flat = {key: data[key].reshape(m * k, *data[key].shape[2:])
+        first = k if skip_first else 0
+        flat = {key: data[key].reshape(m * k, *data[key].shape[2:])[first:]
                 for key in ("tokens_NxL", "mask_NxL", "loss_mask_NxL")}
-        logp = jax.lax.map(old, flat).reshape(data["mask_NxL"].shape)
+        logp = jax.lax.map(old, flat) if first < m * k else None
+        if first:
+            zeros = jnp.zeros((first, *data["mask_NxL"].shape[2:]), jnp.float32)
+            logp = zeros if logp is None else jnp.concatenate([zeros, logp])
+        logp = logp.reshape(data["mask_NxL"].shape)
         data["old_logp_NxL"] = jax.lax.stop_gradient(
             jax.lax.with_sharding_constraint(logp, split_sh))
     lm = data["loss_mask_NxL"]
@@ -175,9 +184,11 @@ def _prepare(params, batch, *, graphdef, rl, mesh, chunk):
     return data, tokens_M, seqs_M
 
 
-def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=True):
+def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=True,
+                fresh=False):
     """(grads, metrics) of one mini-batch [K, R, ...]: micro-batch gradients summed in a scan,
-    each normalised by the whole mini-batch's token (or sequence) count."""
+    each normalised by the whole mini-batch's token (or sequence) count (`fresh`: see
+    `_micro_loss`)."""
     denoms = (jnp.maximum(tokens, 1.0), jnp.maximum(seqs, 1.0))
     loss_fn = functools.partial(_micro_loss, graphdef=graphdef, rl=rl, chunk=chunk, remat=remat,
                                 rows=parallel.rows_sharding(mesh))
@@ -185,11 +196,11 @@ def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=
     param_sh = parallel.tree_shardings(params, mesh)
 
     def micro(acc, mb):
-        (_, metrics), g = grad_fn(params, mb, denoms)
+        (_, metrics), g = grad_fn(params, mb, denoms, fresh)
         g, metrics = jax.tree.map(jnp.add, acc, (g, metrics))
         return (jax.lax.with_sharding_constraint(g, param_sh), metrics), None
 
-    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mini), denoms)
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mini), denoms, fresh)
     zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
     return jax.lax.scan(micro, zero, mini)[0]
 
@@ -221,13 +232,16 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
     total = total_updates(cfg)
     tx, schedule = make_optimizer(cfg.optim, total), make_schedule(cfg.optim, total)
     kw = dict(graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk)
-    data, tokens_M, seqs_M = _prepare(state.params, batch, **kw)
+    # One pass over the batch: mini-batch 0 meets only the sampling params (update 0), so its
+    # old log-probs are the first update's own (not recomputed).
+    skip_first = "old_logp_NxL" not in batch and rl.epochs_per_batch == 1
+    data, tokens_M, seqs_M = _prepare(state.params, batch, skip_first=skip_first, **kw)
 
     def update(carry, j):
         params, opt_state, u = carry
         mini = jax.tree.map(lambda x: x[j], data)  # [K, R, ...]
         grads, metrics = _accumulate(params, mini, tokens_M[j], seqs_M[j], remat=remat_logits,
-                                     **kw)
+                                     fresh=skip_first & (u == 0), **kw)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["lr"] = jnp.asarray(schedule(state.step * updates_per_step + u), jnp.float32)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -216,9 +216,11 @@ def test_learning_moves_logprobs_by_advantage_sign():
     assert isinstance(state, TrainState) and np.isfinite(float(metrics["loss"]))
 
 
-def test_given_old_logprobs_equal_recomputed():
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_given_old_logprobs_equal_recomputed(minibatches):
+    """Absent old log-probs are recomputed for mini-batches 1.. and taken fresh by update 0."""
     mesh = one_device_mesh()
-    cfg = make_cfg(micro_batch_size=8)
+    cfg = make_cfg(micro_batch_size=4, minibatches=minibatches)
     batch = make_batch(16, seed=4)
     graphdef, state = init(cfg, mesh)
     old = update.make_logprob_fn(graphdef, mesh, micro_batch_size=4)(
