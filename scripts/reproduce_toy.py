@@ -57,12 +57,25 @@ def _int_keys(d: dict) -> dict:
 
 
 def _read_result(path: Path) -> dict:
+    """A finished run's study.json; its per-prompt numbers are measured again from the run's
+    groups.jsonl (so every run is read by the same analysis)."""
     res = json.loads(path.read_text())
     res["accuracy"] = _int_keys(res["accuracy"])
     for c in res["curve"]:
         c["accuracy"] = _int_keys(c["accuracy"])
+    if (path.parent / GROUPS_FILE).is_file():
+        res.update(_visit_numbers(read_groups(path.parent), read_metrics(path.parent)))
     res["rescue"]["rate"] = _int_keys(res["rescue"]["rate"])
     return res
+
+
+def _visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
+    """Never-solved shares, rescues (mixed groups, from the metrics; solved, per level) and
+    hint transfer of one run."""
+    rescue = study.rescue_by_level(groups)
+    rescue["mixed"] = int(sum(r.get("hint/rescued", 0) for r in rows))
+    return {"never_solved": study.never_solved(groups), "rescue": rescue,
+            "transfer": study.transfer(groups)}
 
 
 def run_config(arm: str, seed: int, steps: int, overrides: list[str], ckpt_every: int):
@@ -107,8 +120,7 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
     res = {"arm": arm, "seed": seed, "steps": len(rows), "wall_s": wall,
            "median_step_s": float(np.median(step_s)) if step_s else float("nan"),
            "accuracy": curve[-1]["accuracy"], "curve": curve,
-           "never_solved": study.never_solved(groups), "rescue": study.rescue_by_level(groups),
-           "transfer": study.transfer(groups),
+           **_visit_numbers(groups, rows),
            "curves": {k: [r.get(k, float("nan")) for r in rows] for k in CURVES}}
     done.write_text(json.dumps(res, indent=1))
     print(f"{arm} seed {seed}: {len(rows)} steps in {wall:.0f}s, no-hint accuracy "

@@ -72,12 +72,15 @@ def never_solved(groups: list[dict]) -> dict[str, float]:
 
 def rescue_by_level(groups: list[dict], max_level: int = 3) -> dict:
     """Of the first-pass all-zero groups: how many were re-sampled at each level and how many of
-    those that level solved; plus all-zero groups and rescued groups overall."""
+    those that level solved; plus all-zero groups and rescued groups overall, and the groups
+    trained with a hint (any method) and how many of them were solved."""
     tried = np.zeros(max_level + 1, int)
     solved = np.zeros(max_level + 1, int)
-    zero = rescued = 0
+    zero = rescued = hinted = hinted_solved = 0
     for row in groups:
-        for col, rnd, ok in zip(row["collapse"], row["round"], row["solved"]):
+        for col, rnd, ok, lvl in zip(row["collapse"], row["round"], row["solved"], row["level"]):
+            hinted += lvl > 0
+            hinted_solved += bool(lvl > 0 and ok)
             if col != ALL_ZERO:
                 continue
             zero += 1
@@ -85,7 +88,8 @@ def rescue_by_level(groups: list[dict], max_level: int = 3) -> dict:
             if rnd and ok:
                 solved[rnd] += 1
                 rescued += 1
-    return {"all_zero": zero, "rescued": rescued,
+    return {"all_zero": zero, "rescued": rescued, "hinted": hinted,
+            "hinted_solved": hinted_solved,
             "rate": {lvl: (solved[lvl] / tried[lvl] if tried[lvl] else float("nan"))
                      for lvl in range(1, max_level + 1)},
             "tried": tried[1:].tolist()}
@@ -125,7 +129,9 @@ def arm_summary(rs: list[dict], grpo: list[dict]) -> dict:
     base = {r["seed"]: overall(r["accuracy"]) for r in grpo}
     diffs = [overall(r["accuracy"]) - base[r["seed"]] for r in rs if r["seed"] in base]
     zero = sum(r["rescue"]["all_zero"] for r in rs)
-    rescued = sum(r["rescue"]["rescued"] for r in rs)
+    rescued = sum(r["rescue"]["mixed"] for r in rs)  # re-sampled groups that came back mixed
+    hinted = sum(r["rescue"].get("hinted", 0) for r in rs)
+    hinted_solved = sum(r["rescue"].get("hinted_solved", 0) for r in rs)
     grpo_step = {r["seed"]: r["median_step_s"] for r in grpo}
     ratio = [r["median_step_s"] / grpo_step[r["seed"]] for r in rs if r["seed"] in grpo_step]
     return {"acc": [overall(r["accuracy"]) for r in rs], "diff": diffs,
@@ -133,7 +139,10 @@ def arm_summary(rs: list[dict], grpo: list[dict]) -> dict:
             "never": [r["never_solved"]["any"] for r in rs],
             "never_unhinted": [r["never_solved"]["unhinted"] for r in rs],
             "rescue_share": rescued / zero if zero else float("nan"),
-            "rescued": rescued, "all_zero": zero, "time_ratio": ratio}
+            "rescued": rescued, "all_zero": zero, "hinted": hinted,
+            "hinted_solved": hinted_solved, "time_ratio": ratio,
+            "escalates": rs[0]["arm"].startswith("sage-") or rs[0]["arm"] == "resample",
+            "self_hints": rs[0]["arm"].startswith("sage")}
 
 
 def claims(summ: dict, arms: list[str]) -> list[str]:
@@ -178,7 +187,8 @@ def claims(summ: dict, arms: list[str]) -> list[str]:
 
 
 def untested(s: dict) -> str:
-    if s["all_zero"] and s["rescue_share"] < NO_RESCUE:
+    """The label of a SAGE arm whose hints rescued (almost) nothing."""
+    if s["self_hints"] and s["escalates"] and s["all_zero"] and s["rescue_share"] < NO_RESCUE:
         return (f"rescued {s['rescued']} of {s['all_zero']} all-zero groups: "
                 "NOT a test of SAGE (its hints rescued nothing)")
     return ""
@@ -187,6 +197,8 @@ def untested(s: dict) -> str:
 def report(results: list[dict], start: list[dict], arms: list[str], out: Path, note: str,
            write_acc: dict | None = None) -> str:
     """Writes OUT/README.md, OUT/results.json and the plots; returns the markdown."""
+    if not results:
+        return "(no finished runs to report)"
     by = {a: sorted([r for r in results if r["arm"] == a], key=lambda r: r["seed"])
           for a in arms}
     by = {a: rs for a, rs in by.items() if rs}
@@ -206,18 +218,22 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
                   "`sage-offline` arms use these self-written hints.", ""]
     lines += ["## Headline (means ± 95% t-interval over seeds)", "",
               "| arm | runs | no-hint accuracy | paired Δ vs grpo | never solved | never solved "
-              "without a hint | rescued / all-zero groups | step time vs grpo | note |",
-              "|---|---|---|---|---|---|---|---|---|",
+              "without a hint | rescued (mixed) / all-zero groups | hinted groups solved | step "
+              "time vs "
+              "grpo | note |", "|---|---|---|---|---|---|---|---|---|---|",
               f"| SFT start | {len(start)} | {fmt([overall(r['accuracy']) for r in start])} "
-              "| | | | | | |"]
+              "| | | | | | | |"]
     for a in arms:
         s = summ[a]
         share = (f"{s['rescue_share']:.2f} ({s['rescued']}/{s['all_zero']})"
-                 if s["all_zero"] else "-")
+                 if s["all_zero"] and s["escalates"] else "-")
+        solved = (f"{s['hinted_solved'] / s['hinted']:.2f} ({s['hinted_solved']}/{s['hinted']})"
+                  if s["hinted"] else "-")
         ratio = f"{np.median(s['time_ratio']):.2f}×" if s["time_ratio"] else "-"
         lines.append(f"| {a} | {len(by[a])} | {fmt(s['acc'])} | "
                      f"{fmt(s['diff']) if a != 'grpo' else ''} | {fmt(s['never'])} | "
-                     f"{fmt(s['never_unhinted'])} | {share} | {ratio} | {untested(s)} |")
+                     f"{fmt(s['never_unhinted'])} | {share} | {solved} | {ratio} | "
+                     f"{untested(s)} |")
     lines += ["", "## What the paper claims, and what holds here", "", *claims(summ, arms), "",
               "## No-hint accuracy by difficulty", "",
               "| steps (k) | SFT start | " + " | ".join(arms) + " |",
@@ -227,7 +243,8 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
             fmt([r["accuracy"][k] for r in by[a]]) for a in arms]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines += ["", "## Rescue rate per level (share of the re-sampled all-zero groups that the "
-              "level solved, pooled over seeds)", "",
+              "level solved, i.e. some answer right, pooled over seeds; \"rescued (mixed)\" above "
+              "counts only groups that came back mixed, with non-zero advantages)", "",
               "| arm | level 1 | level 2 | level 3 |", "|---|---|---|---|"]
     for a in arms:
         tried = np.sum([r["rescue"]["tried"] for r in by[a]], axis=0)
