@@ -123,7 +123,7 @@ def check_batch(batch: dict, cfg, mesh) -> None:
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
 
 
-def _micro_loss(params, mb, denoms, fresh, *, graphdef, rl, chunk, remat, rows):
+def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, rl, chunk, remat, rows):
     """(loss, metrics) of one micro-batch; losses and metrics add up over a mini-batch.
     `fresh`: `params` are the ones the answers were sampled with, so the old log-probs are the
     current ones (not recomputed: the ratio is exactly 1)."""
