@@ -371,8 +371,9 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     ok_self = True
     if method in ("sage", "sage_light") and source in SELF_WRITTEN:
         ok_self = l1 is not None and l1 >= GATE_WRITE_ACC
+        got = "not measured" if l1 is None else f"{l1:.0%}"
         notes.append(f"self-written hints ({method}, hint.source={source}): level 1 right "
-                     f"{l1:.0%} (want >= {GATE_WRITE_ACC:.0%}): " + (
+                     f"{got} (want >= {GATE_WRITE_ACC:.0%}): " + (
                          "ok" if ok_self else "FAIL: the policy cannot write its hints, so "
                          "SAGE rescues nothing and degenerates to GRPO"))
     notes.append(f"hint source: {source} ({why})")
