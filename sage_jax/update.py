@@ -18,8 +18,10 @@ holds rows j*K .. j*K+K-1 of every block of M*K rows (M mini-batches of K micro-
 rows are dealt out in stripes, so every device holds an equal share of every (micro-)batch
 without moving data; shuffle rows beforehand for random mini-batches. A mini-batch is split into
 micro-batches of `rl.micro_batch_size` rows (all devices together; at most the mini-batch)
-whose gradients are summed; the loss denominators (answer tokens, or sequences for the seq-mean modes) are those of the whole
-mini-batch, so the result does not depend on the micro-batch size.
+whose gradients are summed; the loss denominators (answer tokens, or sequences for the seq-mean
+modes) are those of the whole mini-batch, so the result does not depend on the micro-batch size.
+Without given old log-probs and with one epoch, mini-batch 0 is only met by the first update,
+on the sampling params: its old log-probs are that update's own (stop-gradient), not recomputed.
 """
 
 from __future__ import annotations
