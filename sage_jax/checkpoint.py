@@ -361,6 +361,36 @@ class Checkpointer:
         extra = out[EXTRA_ITEM] or {}
         return state, dict(extra)
 
+    def restore_subtree(self, step: int, key: str) -> Any:
+        """The state's top-level entry `key` (e.g. "params") of committed `step`, read alone (the
+        rest of the state is not read and needs no target): a nested dict of arrays with the
+        saved dtypes, on this process's first device."""
+        self.wait()
+        where = self.step_dir(step)
+        if int(step) not in self._mgr.all_steps():
+            raise CheckpointError(f"no committed checkpoint for step {step} in {self.directory}; "
+                                  f"committed steps: {self.all_steps()}")
+        reader = ocp.PyTreeCheckpointer()
+        try:
+            saved = reader.metadata(where / STATE_ITEM).item_metadata.tree
+            if key not in saved:
+                raise CheckpointError(f"checkpoint {where} has no {key!r} (it holds "
+                                      f"{sorted(saved)})")
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            item = {key: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                      saved[key])}
+            args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(restore_type=jax.Array,
+                                                               sharding=device), item)
+            out = reader.restore(where / STATE_ITEM, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True))
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"restoring {key!r} of checkpoint {where} failed: {type(e).__name__}: {e}"
+            ) from e
+        return out[key]
+
     # -- lifecycle
 
     def wait(self) -> None:

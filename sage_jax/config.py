@@ -3,11 +3,16 @@
 A run is described by one `Config`, built from (in order of precedence, lowest first) the
 defaults below, a YAML file and `section.field=value` overrides:
 
-    cfg = load_config("configs/grpo_tiny.yaml", ["rl.group_size=4", "optim.lr=3e-6"])
+    cfg = load_config("grpo_tiny", ["rl.group_size=4", "optim.lr=3e-6"])
+
+The configs shipped with the package live in `CONFIG_DIR` (`sage_jax/configs/`); a config path
+that is not a file is looked up there by name (`toy`, `toy.yaml` or `configs/toy.yaml`), so the
+same command works from a checkout and from an installed wheel. `DEFAULT_CONFIG` is the built-in
+toy job's.
 
 Every key is checked: an unknown or misspelled key, a value of the wrong type, a value outside a
 `Literal`'s choices or outside a field's allowed range is a `ConfigError` that names the dotted key
-and says what is allowed. Defaults are the paper's settings (DESIGN.md section 2).
+and says what is allowed. Defaults are the paper's settings (arXiv 2602.03143).
 
 Sections are frozen dataclasses (hashable, so they can be static arguments to `jax.jit`); list
 fields are therefore tuples. Each section checks its own ranges in `validate()`; `Config.validate()`
@@ -25,6 +30,9 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 import yaml
+
+CONFIG_DIR = Path(__file__).with_name("configs")  # the configs shipped with the package
+DEFAULT_CONFIG = CONFIG_DIR / "toy.yaml"  # what `python -m sage_jax.train` runs without --config
 
 
 class ConfigError(ValueError):
@@ -99,7 +107,7 @@ class DataConfig(_Section):
 class RLConfig(_Section):
     """The RL algorithm: rollouts, rewards, advantages and the clipped policy-gradient loss."""
 
-    method: Literal["grpo", "sage", "sage_light", "resample"] = "sage"  # See DESIGN.md sec. 2.
+    method: Literal["grpo", "sage", "sage_light", "resample"] = "sage"  # README: Methods.
     group_size: int = 8  # G: answers sampled per prompt.
     prompts_per_step: int = 128  # B: prompts per training step.
     max_new_tokens: int = 8192  # Longest answer, end-of-sequence token included.
@@ -586,10 +594,24 @@ def _copy_dict(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _copy_dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` when it is a file, else the shipped config of that name (`CONFIG_DIR`), else
+    `path` unchanged (so the error names what the user wrote)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    name = path.name if path.suffix in (".yaml", ".yml") else path.name + ".yaml"
+    shipped = CONFIG_DIR / name
+    if shipped.is_file() and (len(path.parts) == 1 or path.parent.name == "configs"):
+        return shipped
+    return path
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then the YAML file at `path` (if any), then `overrides`; strictly checked."""
     data: Any = {}
     if path is not None:
+        path = resolve_config_path(path)
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
@@ -603,20 +625,3 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}", key=e.key) from None
     return from_dict(apply_overrides(data, overrides))
-
-
-def parse_args(argv: Sequence[str], default: str | Path | None = None) -> Config:
-    """A config from command-line words: an optional `--config PATH` (or a first word ending in
-    .yaml/.yml), then `section.key=value` overrides. Without a path, `default` is used."""
-    argv = list(argv)
-    path: str | Path | None = default
-    if argv and argv[0].startswith("--config"):
-        if argv[0] == "--config":
-            if len(argv) < 2:
-                raise ConfigError("--config needs a path")
-            path, argv = argv[1], argv[2:]
-        else:
-            path, argv = argv[0].split("=", 1)[1], argv[1:]
-    elif argv and "=" not in argv[0] and argv[0].endswith((".yaml", ".yml")):
-        path, argv = argv[0], argv[1:]
-    return load_config(path, argv)

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 ENV_MODE = "SAGE_JAX_DISTRIBUTED"
 
@@ -151,7 +152,6 @@ def process_rows(n_rows: int, process_index: int | None = None,
 
 def gather(x) -> np.ndarray:
     """Every process's `x` (same shape and dtype on each), stacked: [process_count, ...]."""
-    from jax.experimental import multihost_utils
     x = np.asarray(x)
     if jax.process_count() == 1:
         return x[None]
@@ -195,8 +195,6 @@ def check_same(values: Mapping[str, str]) -> None:
 def fetch(tree):
     """Host numpy copies of the arrays of `tree`, also of global arrays that span other
     processes' devices (gathered; every process must call it)."""
-    from jax.experimental import multihost_utils
-
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return np.asarray(jax.device_get(x))

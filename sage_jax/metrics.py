@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator, Mapping
 
 import numpy as np
+from tqdm.auto import tqdm
 
 __all__ = ["MetricsLogger", "Timer", "read_metrics", "to_json_value"]
 
@@ -191,8 +192,6 @@ class MetricsLogger:
         if tensorboard:
             self.tb = _tensorboard_writer(self.workdir / "tb")
         if progress:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(
                 total=self.total_steps,
                 initial=min(self._last_step, self.total_steps),

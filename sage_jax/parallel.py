@@ -15,6 +15,7 @@ import re
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
@@ -55,7 +56,6 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
             f"devices, but {len(devices)} are present; change mesh.data/fsdp/tensor so their "
             f"product is {len(devices)}, or set one of them to -1")
     try:
-        from jax.experimental import mesh_utils
         grid = mesh_utils.create_device_mesh(sizes, devices=devices)
     except Exception:  # noqa: BLE001 - unusual topologies: plain order.
         grid = np.asarray(devices, dtype=object).reshape(sizes)

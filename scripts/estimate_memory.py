@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Per-device memory of a training run, before renting the machines (`sage_jax.memory`).
+"""Per-device memory of a training run, before renting the machines (`sage_jax.engine.memory`).
 
-    python scripts/estimate_memory.py --config configs/paper_qwen2.5-7b.yaml \
+    python scripts/estimate_memory.py --config paper_qwen2.5-7b \
         --preset qwen2.5-7b --mesh 1,64,1 --hbm-gib 16 [--micro-batch 64] [--json]
-    python scripts/estimate_memory.py --config configs/paper_qwen2.5-7b.yaml \
+    python scripts/estimate_memory.py --config paper_qwen2.5-7b \
         model.path=/models/Qwen2.5-7B-Instruct --devices 8 --hbm-gib 80
 
 The model's dimensions come from, in order: --hf-config FILE (a Hugging Face config.json),
@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sage_jax import config as config_lib, memory, models, sampling  # noqa: E402
+from sage_jax import config as config_lib, models  # noqa: E402
+from sage_jax.engine import memory, sampling
 
 # Dimensions typed in from the public Hugging Face config.json files of these checkpoints
 # (nothing can be downloaded here). The qwen3-4b and llama3.2-3b values are identical to the

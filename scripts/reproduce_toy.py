@@ -35,9 +35,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import toy_study_report as study  # noqa: E402
-from sage_jax import build, checkpoint, config, train  # noqa: E402
+from sage_jax import checkpoint, config  # noqa: E402
+from sage_jax.jobs import toy as toy_job  # noqa: E402
 from sage_jax.metrics import GROUPS_FILE, read_metrics  # noqa: E402
-from sage_jax.tasks import toy, toy_calibrate, toy_job  # noqa: E402
+from sage_jax.run import build, loop, restore  # noqa: E402
+from sage_jax.tasks import toy  # noqa: E402
+from sage_jax.tasks.toy import calibrate as toy_calibrate  # noqa: E402
+from sage_jax.tasks.toy import warm_start  # noqa: E402
 
 ARMS = {
     "grpo": ["rl.method=grpo"],
@@ -79,7 +83,7 @@ def _visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
 
 
 def run_config(arm: str, seed: int, steps: int, overrides: list[str], ckpt_every: int):
-    return config.load_config(train.DEFAULT_CONFIG, [
+    return config.load_config(config.DEFAULT_CONFIG, [
         *ARMS[arm], f"train.seed={seed}", f"train.steps={steps}", "task.toy.calibrate=false",
         "task.toy.report=false", "train.samples_every=0", f"checkpoint.every={ckpt_every}",
         "checkpoint.keep=1000", *overrides])
@@ -99,7 +103,7 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
         return _read_result(done)
     cfg = run_config(arm, seed, steps, overrides, ckpt_every)
     t0 = time.perf_counter()
-    train.train(cfg, wd)
+    loop.train(cfg, wd)
     wall = time.perf_counter() - t0
     rows = read_metrics(wd)
     groups = read_groups(wd)
@@ -111,7 +115,7 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
     points = [s for s in saved if s % eval_every == 0 or s == max(saved)]
     curve = []
     for s in points:
-        _, model, _ = build.restore_policy(wd, step=s)
+        _, model, _ = restore.restore_policy(wd, step=s)
         curve.append({"step": s, "tokens": float(tokens[s - 1]), "seconds": float(seconds[s - 1]),
                       "accuracy": toy_job.accuracy_by_length(model, cfg, seed=seed)})
     for s in saved[:-1]:  # keep the last checkpoint only (disk); the curve is measured
@@ -133,7 +137,7 @@ def start_accuracy(seeds, out: Path, overrides: list[str]) -> list[dict]:
     path = out / "sft_start.json"
     if path.is_file():
         return [{**r, "accuracy": _int_keys(r["accuracy"])} for r in json.loads(path.read_text())]
-    cfg = config.load_config(train.DEFAULT_CONFIG, overrides)
+    cfg = config.load_config(config.DEFAULT_CONFIG, overrides)
     model = build.load_model(cfg)
     res = [{"seed": s, "accuracy": toy_job.accuracy_by_length(model, cfg, seed=s)}
            for s in seeds]
@@ -147,8 +151,8 @@ def write_accuracy(out: Path, overrides: list[str]) -> dict:
     if path.is_file():
         res = json.loads(path.read_text())
         return {**res, "acc": _int_keys(res["acc"])}
-    cfg = config.load_config(train.DEFAULT_CONFIG, overrides)
-    problems = toy.make_problems(cfg.task.toy.eval_per_length, toy_job.spec(cfg),
+    cfg = config.load_config(config.DEFAULT_CONFIG, overrides)
+    problems = toy.make_problems(cfg.task.toy.eval_per_length, warm_start.spec(cfg),
                                  seed=toy_job.EVAL_SEED, per_length=True)
     res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems)
     res = {"problems": len(problems), **res}
@@ -196,7 +200,7 @@ def main(argv=None) -> str:
                 continue
             results.append(run_one(a, s, args.steps, out, overrides,
                                    eval_every=args.eval_every, ckpt_every=args.checkpoint_every))
-    base = config.load_config(train.DEFAULT_CONFIG, overrides)
+    base = config.load_config(config.DEFAULT_CONFIG, overrides)
     t = base.task.toy
     note = (f"Toy task (chain arithmetic, lengths {t.min_steps}..{t.max_steps}), toy model "
             f"warm-started by SFT (seed {t.sft_seed}), then {args.steps} RL steps of "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-ALL_ZERO = 1  # `rollout.COLLAPSE_ALL_ZERO`
+ALL_ZERO = 1  # `sage_jax.core.sage.COLLAPSE_ALL_ZERO`
 T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 NO_RESCUE = 0.02  # an arm that rescued under this share of its all-zero groups tests nothing
 

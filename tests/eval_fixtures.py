@@ -65,9 +65,10 @@ _STEP = ["train.steps=1", "rl.method=grpo", "rl.minibatches=1", "optim.lr=0.01",
 
 
 def _train(workdir: Path, overrides: list[str]) -> None:
-    from sage_jax import config, train
-    cfg = config.load_config(REPO / "configs" / "toy.yaml", _STEP + overrides)
-    train.train(cfg, workdir)
+    from sage_jax.run import loop
+    from sage_jax import config
+    cfg = config.load_config(config.DEFAULT_CONFIG, _STEP + overrides)
+    loop.train(cfg, workdir)
 
 
 def toy_run(base: Path) -> Path:

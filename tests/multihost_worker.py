@@ -2,7 +2,7 @@
 
 The environment gives the cluster (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID,
 4 fake CPU devices each). Checks the host-side helpers of `sage_jax.distributed`, then trains the
-toy task for two steps with `train.train` (checkpoint at step 2), restores that checkpoint on
+toy task for two steps with `loop.train` (checkpoint at step 2), restores that checkpoint on
 all processes with the trainer's own restore path, and writes REPORT (JSON): the helpers'
 results, the process layout, the last metrics and a hash of every parameter.
 """
@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 
+from sage_jax.run import loop
+from sage_jax.run import restore
 from sage_jax import distributed
 
 # rl.reward_timeout_s: a fresh reward worker imports the toy task (jax, flax) on its first answer,
@@ -32,12 +34,12 @@ def param_hashes(model) -> dict[str, str]:
 def main(workdir: str, report: str) -> None:
     assert distributed.initialize_from_env(), "the environment should ask for 2 processes"
     import jax
-    from sage_jax import build, config, train
+    from sage_jax import config
 
     out = {"helpers": helpers()}
-    cfg = config.load_config(train.DEFAULT_CONFIG, ARGS)
-    metrics = train.train(cfg, workdir)
-    _, model, step = build.restore_policy(workdir)  # every process restores (orbax needs all)
+    cfg = config.load_config(config.DEFAULT_CONFIG, ARGS)
+    metrics = loop.train(cfg, workdir)
+    _, model, step = restore.restore_policy(workdir)  # every process restores (orbax needs all)
     out.update(process_index=jax.process_index(), process_count=jax.process_count(),
                devices=jax.device_count(), local_devices=jax.local_device_count(),
                restored_step=step, loss=metrics["loss"], reward=metrics["reward/mean"],

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from sage_jax.config import (
+    CONFIG_DIR,
     Config,
     ConfigError,
     RLConfig,
     from_dict,
     load_config,
-    parse_args,
     save_config,
     to_dict,
     to_yaml,
@@ -41,7 +41,7 @@ def test_defaults_are_the_papers_settings():
 
 
 def test_example_config_loads():
-    cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [])
+    cfg = load_config(CONFIG_DIR / "grpo_tiny.yaml", [])
     assert cfg.model.path is None and cfg.rl.method == "grpo"
 
 
@@ -71,14 +71,19 @@ def test_text_numbers_are_coerced():
     assert cfg.rl.group_size == 3 and cfg.rl.temperature == 0.7
 
 
-def test_parse_args(tmp_path):
-    path = _write(tmp_path, "train:\n  steps: 3\n")
-    assert parse_args([str(path), "train.seed=1"]).train == dataclasses.replace(
-        Config().train, steps=3, seed=1)
-    assert parse_args(["--config", str(path)]).train.steps == 3
-    assert parse_args(["train.steps=2"], default=path).train.steps == 2
-    with pytest.raises(ConfigError, match="key=value"):
-        parse_args(["train.steps"])
+def test_shipped_configs_by_name(tmp_path, monkeypatch):
+    """A config path that is not a file is the shipped config of that name (from any folder);
+    a real file wins; an unknown name is an error naming what was written."""
+    monkeypatch.chdir(tmp_path)
+    shipped = load_config(CONFIG_DIR / "grpo_tiny.yaml")
+    for name in ("grpo_tiny", "grpo_tiny.yaml", "configs/grpo_tiny.yaml"):
+        assert load_config(name) == shipped
+    assert shipped.rl.method == "grpo"
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "grpo_tiny.yaml").write_text("train:\n  steps: 3\n")
+    assert load_config("configs/grpo_tiny.yaml").train.steps == 3
+    with pytest.raises(ConfigError, match="config file not found: nope"):
+        load_config("nope")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import eval_fixtures
+from sage_jax.eval import evaluate as eval_lib
 from sage_jax import evaluate, models, rewards
 from sage_jax.rewards import extract_boxed
 from sage_jax.tasks import toy
@@ -34,22 +35,22 @@ def test_aggregate_on_hand_made_scores():
               [0, 0, 1, 0]]   # 1 of 4
     lengths = [[10, 20, 30, 40]] * 4
     truncated = [[False, False, False, True]] * 4
-    m = evaluate.aggregate(scores, lengths, truncated)
+    m = eval_lib.aggregate(scores, lengths, truncated)
     assert m["n"] == 4 and m["k"] == 4
     assert m["avg@k"] == pytest.approx(6 / 16)  # = mean of per-problem accuracies .25,0,1,.25
     assert m["pass@k"] == pytest.approx(3 / 4)
     assert m["mean_length"] == pytest.approx(25.0)
     assert m["truncated_frac"] == pytest.approx(0.25)
     # k = 1: avg@1 == pass@1.
-    one = evaluate.aggregate([[1], [0], [0]], [[1], [2], [3]], [[False]] * 3)
+    one = eval_lib.aggregate([[1], [0], [0]], [[1], [2], [3]], [[False]] * 3)
     assert one["avg@k"] == one["pass@k"] == pytest.approx(1 / 3)
 
 
 def test_aggregate_rejects_bad_shapes():
     with pytest.raises(ValueError, match="N problems, k samples"):
-        evaluate.aggregate([1, 0], [1, 1], [False, False])
+        eval_lib.aggregate([1, 0], [1, 1], [False, False])
     with pytest.raises(ValueError, match="same shape"):
-        evaluate.aggregate([[1, 0]], [[1]], [[False, False]])
+        eval_lib.aggregate([[1, 0]], [[1]], [[False, False]])
 
 
 def test_paper_average_metrics_and_table():
@@ -57,20 +58,20 @@ def test_paper_average_metrics_and_table():
         return {"n": n, "k": 4, "avg@k": avg, "pass@k": min(1.0, 2 * avg), "mean_length": 100.0,
                 "truncated_frac": 0.1}
     per = {"aime24": m(0.1), "math500": m(0.5, 20), "gsm8k": m(0.9)}
-    avg = evaluate.paper_average(per)  # gsm8k is not one of the paper's six
+    avg = eval_lib.paper_average(per)  # gsm8k is not one of the paper's six
     assert avg["benchmarks"] == ["aime24", "math500"] and not avg["complete"]
     assert avg["avg@k"] == pytest.approx(0.3) and avg["pass@k"] == pytest.approx(0.6)
     assert avg["n"] == 30
-    assert evaluate.paper_average({"gsm8k": m(0.9)}) is None
-    six = {b: m(i / 10) for i, b in enumerate(evaluate.BENCHMARKS)}
-    assert evaluate.paper_average(six)["complete"]
-    assert evaluate.paper_average(six)["avg@k"] == pytest.approx(0.25)
+    assert eval_lib.paper_average({"gsm8k": m(0.9)}) is None
+    six = {b: m(i / 10) for i, b in enumerate(eval_lib.BENCHMARKS)}
+    assert eval_lib.paper_average(six)["complete"]
+    assert eval_lib.paper_average(six)["avg@k"] == pytest.approx(0.25)
 
     result = {"benchmarks": per, "average": avg}
-    flat = evaluate.eval_metrics(result)
+    flat = eval_lib.eval_metrics(result)
     assert flat["eval/aime24/avg@4"] == 0.1 and flat["eval/gsm8k/pass@4"] == 1.0
     assert flat["eval/paper_avg/avg@4"] == pytest.approx(0.3)
-    table = evaluate.format_table(result).splitlines()
+    table = eval_lib.format_table(result).splitlines()
     assert table[0].split() == ["benchmark", "n", "avg@4", "%", "pass@4", "%", "mean", "len",
                                 "truncated", "%"]
     assert table[2].split() == ["aime24", "10", "10.0", "20.0", "100.0", "10.0"]
@@ -96,7 +97,9 @@ def _two_benchmarks(answers):
 class _AnswerOnly(toy.ToyTask):
     """Toy prompts, scored against the problem's answer field (not the toy reference)."""
 
-    reference = None
+    @staticmethod
+    def reference(problem, answer, hint=None):
+        return answer
 
 
 def test_evaluate_problems_maps_scores_back_through_the_length_sort(tiny_toy_policy):
@@ -114,7 +117,7 @@ def test_evaluate_problems_maps_scores_back_through_the_length_sort(tiny_toy_pol
             "n": len(truths), "timeouts": 1}
 
     def run(batch_size):
-        return evaluate.evaluate_problems(
+        return eval_lib.evaluate_problems(
             graphdef, params, task, problems, k=k, temperature=1.0, top_p=1.0,
             max_new_tokens=max_new, key=jax.random.PRNGKey(0), scorer=scorer,
             batch_size=batch_size, keep_samples=True)
@@ -150,7 +153,8 @@ def test_evaluate_problems_maps_scores_back_through_the_length_sort(tiny_toy_pol
 class _BoxedTwelve(_AnswerOnly):
     """Prompts of the toy task; every answer reads as "... \\boxed{12}" for the math checker."""
 
-    reward_name = "math"
+    reward_fn = staticmethod(rewards.math_reward_checked)
+    extract_answer = staticmethod(rewards.extract_boxed)
 
     def decode(self, ids):
         return "so the answer is $\\boxed{12}$"
@@ -160,7 +164,7 @@ def test_evaluate_problems_with_the_real_math_checker(tiny_toy_policy):
     graphdef, params = tiny_toy_policy
     problems = _two_benchmarks(["12", "12.0", "13", "\\frac{24}{2}", "-12"])
     with rewards.RewardPool("math", num_workers=1) as pool:
-        res = evaluate.evaluate_problems(
+        res = eval_lib.evaluate_problems(
             graphdef, params, _BoxedTwelve(), problems, k=2, temperature=1.0, top_p=1.0,
             max_new_tokens=8, key=jax.random.PRNGKey(0), scorer=pool.score, keep_samples=True)
     # a: answers 12, 13, -12 -> one of three right; b: 12.0, 24/2 -> both right.
@@ -173,12 +177,14 @@ def test_evaluate_problems_with_the_real_math_checker(tiny_toy_policy):
 
 def test_load_problems_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown benchmark.*aime99"):
-        evaluate.load_problems(["aime99"], tmp_path)
+        eval_lib.load_problems(["aime99"], tmp_path)
     with pytest.raises(ValueError, match="--data-dir"):
-        evaluate.load_problems(["aime24"], None)
+        eval_lib.load_problems(["aime24"], None)
     with pytest.raises(FileNotFoundError, match="aime24"):
-        evaluate.load_problems(["aime24"], tmp_path)
-    toys = evaluate.load_problems(["toy"], None, limit=3)["toy"]
+        eval_lib.load_problems(["aime24"], tmp_path)
+    with pytest.raises(ValueError, match="unknown benchmark.*toy"):
+        eval_lib.load_problems(["toy"], tmp_path)  # a task's built-in problems, not a file
+    toys = toy.eval_problems(limit=3)["toy"]
     assert len(toys) == 3 and all(p.source == "toy" for p in toys)
 
 

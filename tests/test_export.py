@@ -12,7 +12,16 @@ from safetensors import safe_open
 
 import eval_fixtures
 from hf_reference import hf_logits
-from sage_jax import build, export, models
+import shutil
+
+import yaml
+from flax import nnx
+
+from sage_jax import checkpoint, config, export, models, parallel
+from sage_jax.engine import update
+from sage_jax.run import build, export as export_lib, restore
+from sage_jax.tasks import data as data_lib
+from sage_jax.tasks.toy import calibrate, task as toy_task, warm_start
 
 TOL = 2e-4  # float32 logits
 
@@ -36,20 +45,20 @@ def test_split_checkpoint_path(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "12").mkdir(parents=True)
     (run / "config.yaml").write_text("task: {name: toy}\n")
-    assert export.split_checkpoint_path(run) == (run, None)
-    assert export.split_checkpoint_path(run / "12") == (run, 12)
-    assert export.split_checkpoint_path(run / "checkpoints" / "12") == (run, 12)
+    assert restore.split_checkpoint_path(run) == (run, None)
+    assert restore.split_checkpoint_path(run / "12") == (run, 12)
+    assert restore.split_checkpoint_path(run / "checkpoints" / "12") == (run, 12)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        export.split_checkpoint_path(tmp_path / "missing")
+        restore.split_checkpoint_path(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="not a training run folder"):
-        export.split_checkpoint_path(tmp_path)
+        restore.split_checkpoint_path(tmp_path)
 
 
 def test_math_checkpoint_round_trips_through_transformers(math_run, tmp_path):
     out = tmp_path / "hf"
-    cfg, model, step = build.restore_policy(math_run)  # the latest step
+    cfg, model, step = restore.restore_policy(math_run)  # the latest step
     assert step == 1
-    info = export.export_policy(cfg, model, step, out, source=math_run)
+    info = export_lib.export_policy(cfg, model, step, out, source=math_run)
     assert info["step"] == 1 and info["task"] == "math"
     assert info["tokenizer"].startswith("copied from")
     names = {p.name for p in out.iterdir()}
@@ -88,7 +97,7 @@ def test_toy_checkpoint_exports_weights_without_a_tokenizer(toy_run, tmp_path, c
     assert info["tokenizer"].startswith("none") and info["tokenizer_files"] == []
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors",
                                                "sage_export.json"}
-    cfg, model, step = build.restore_policy(toy_run, 0)
+    cfg, model, step = restore.restore_policy(toy_run, 0)
     tokens = np.asarray([[1, 5, 9, 14, 20, 3, 7]], np.int32)
     ours = np.asarray(model(jnp.asarray(tokens)), np.float32)
     theirs = hf_logits(_hf_model(out), tokens)
@@ -98,7 +107,7 @@ def test_toy_checkpoint_exports_weights_without_a_tokenizer(toy_run, tmp_path, c
     with pytest.raises(SystemExit) as e:
         export.main(["--checkpoint", str(toy_run), "--out", str(out)])
     assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
-    export.export_policy(cfg, model, step, out, overwrite=True, dtype="bfloat16")
+    export_lib.export_policy(cfg, model, step, out, overwrite=True, dtype="bfloat16")
     with safe_open(out / "model.safetensors", framework="numpy") as f:
         assert all(str(f.get_slice(n).get_dtype()) == "BF16" for n in f.keys())
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -111,7 +120,7 @@ def test_copy_tokenizer_files_of_every_shared_tokenizer(shared_data, tmp_path):
     for src in sorted((shared_data / "tokenizers").iterdir()):
         out = tmp_path / src.name
         out.mkdir()
-        copied = export.copy_tokenizer_files(src, out)
+        copied = export_lib.copy_tokenizer_files(src, out)
         assert "config.json" not in copied
         expected = {p.name for p in src.iterdir()} - {"config.json"}
         assert set(copied) == expected, src.name
@@ -119,5 +128,62 @@ def test_copy_tokenizer_files_of_every_shared_tokenizer(shared_data, tmp_path):
 
 def test_unloadable_tokenizer_is_a_warning_not_a_failure(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
-    problem = export._check_tokenizer(tmp_path, vocab_size=100)
+    problem = export_lib._check_tokenizer(tmp_path, vocab_size=100)
     assert problem and "could not load" in problem
+
+
+def test_restoring_a_toy_run_never_trains_reads_data_or_builds_an_optimizer(
+        toy_run, tmp_path, monkeypatch, capsys):
+    """export (and evaluate --checkpoint) rebuild the policy from the model config and the
+    checkpoint alone. The run's config is edited so that loading its starting model would train
+    a fresh warm start (settings unlike the shipped one's, an empty cache) from another seed, and
+    everything a training run builds raises: the export still writes the checkpoint's weights."""
+    run = tmp_path / "run"
+    shutil.copytree(toy_run, run)
+    cfg = config.load_config(run / "config.yaml")
+    # The checkpoint's params, restored the way a training run resumes (full state as target).
+    mesh = parallel.make_mesh(cfg.mesh)
+    _, target = build.initial_state(build.load_model(cfg), cfg, mesh, cfg.task.toy.problems)
+    with checkpoint.Checkpointer(run, keep=1) as ckpt:
+        want = nnx.to_flat_state(ckpt.restore(0, target=target)[0].params)
+    raw = yaml.safe_load((run / "config.yaml").read_text())
+    raw["task"]["toy"].update(warm_start=True, sft_seed=12345, cache_dir=str(tmp_path / "cache"))
+    raw["train"]["seed"] = 999
+    (run / "config.yaml").write_text(yaml.safe_dump(raw))
+
+    def forbidden(what):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"restoring a policy called {what}")
+        return fail
+
+    for module, name in [(warm_start, "warm_started_model"), (warm_start, "train_warm_start"),
+                         (calibrate, "warm_start"), (update, "init_train_state"),
+                         (update, "make_optimizer"), (data_lib, "load_examples"),
+                         (toy_task, "make_examples"), (build, "load_model")]:
+        monkeypatch.setattr(module, name, forbidden(f"{module.__name__}.{name}"))
+    out = tmp_path / "hf"
+    export.main(["--checkpoint", str(run), "--out", str(out)])
+    assert "exported step 0" in capsys.readouterr().out
+    got = dict(nnx.to_flat_state(nnx.state(models.from_hf(out), nnx.Param)))
+    want = dict(want)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(_value(got[k]), _value(want[k]), err_msg=str(k))
+    # A checkpoint that does not fit the run's model is named, not a traceback of shapes.
+    raw["model"] = {**raw.get("model", {}), "path": str(_other_toy_shape(tmp_path))}
+    (run / "config.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(checkpoint.CheckpointError, match="do not fit the run's model|has shape"):
+        restore.restore_policy(run)
+
+
+def _value(v):
+    return np.asarray(v.get_value() if hasattr(v, "get_value") else v)
+
+
+def _other_toy_shape(tmp_path):
+    """A model folder whose config.json is the toy model with a wider MLP."""
+    folder = tmp_path / "wider"
+    mcfg = toy_task.toy_model_config(intermediate_size=2 * toy_task.toy_model_config()
+                                     .intermediate_size)
+    models.to_hf(models.Decoder(mcfg, rngs=nnx.Rngs(0)), folder)
+    return folder

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import grpo, models
+from sage_jax.core import grpo
+from sage_jax import models
 
 
 # ---------------------------------------------------------------------------------- advantages

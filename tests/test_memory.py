@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import build, grpo, memory, models, parallel, sampling, update
+from sage_jax.run import build
+from sage_jax.core import grpo
+from sage_jax.engine import memory, sampling, update
+from sage_jax import models, parallel
 from sage_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, RLConfig
 from sage_jax.config import TrainConfig
 from sage_jax.tasks import toy

@@ -10,7 +10,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sage_jax import batching, config, models, parallel, rollout, sampling, train, update
+from sage_jax.run import loop
+from sage_jax.rl import batching, rollout
+from sage_jax import config, models, parallel
+from sage_jax.engine import sampling, update
 from sage_jax.tasks import toy
 from sage_jax.tasks.data import Example
 
@@ -45,11 +48,11 @@ def digit_scorer(responses, ground_truths):
 
 
 def one_step(shape):
-    """One training step on a (data, fsdp, tensor) mesh, wired as `train.train` wires it."""
+    """One training step on a (data, fsdp, tensor) mesh, wired as `loop.train` wires it."""
     t0 = time.perf_counter()
     devices = jax.devices()[:1] if shape == (1, 1, 1) else None
     mesh = parallel.make_mesh(config.MeshConfig(*shape), devices)
-    train.check_fits(CFG, mesh)
+    loop.check_fits(CFG, mesh)
     task = toy.ToyTask()
     graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)), CFG, mesh)
     idx = np.arange(PROMPTS)
@@ -57,10 +60,10 @@ def one_step(shape):
     sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
                                      eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh)
     ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
-                     scorer=digit_scorer, settings=train.rollout_settings(CFG), tables=tables,
+                     scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint, tables=tables,
                      step=0)
     # Greedy samples of the final (partly hinted) contexts, straight from the array API.
-    tok, mask = batching.left_pad(ro.prompts, sampling.prompt_bucket(
+    tok, mask = sampling.left_pad(ro.prompts, sampling.prompt_bucket(
         max(len(p) for p in ro.prompts)), task.pad_id)
     greedy = sampling.sample(graphdef, state.params, tok, mask, key=jax.random.PRNGKey(1),
                              num_samples=GROUP, max_new_tokens=NEW, temperature=0.0,

@@ -1,7 +1,6 @@
 """Decoder parity with `transformers`, HF checkpoint I/O, KV cache, dtypes and errors."""
 
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import build, distributed
+from sage_jax.run import restore
+from sage_jax import distributed
 from sage_jax.metrics import read_metrics
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -90,7 +91,7 @@ def test_two_processes_train_and_a_single_process_restores(cluster):
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"]
 
     # One process (8 local devices) restores the two-process checkpoint.
-    _, model, step = build.restore_policy(workdir)
+    _, model, step = restore.restore_policy(workdir)
     assert step == 2
     flat = {"/".join(map(str, k)): np.asarray(v.get_value())
             for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}

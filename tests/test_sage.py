@@ -5,7 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from sage_jax import rollout, sage
+from sage_jax.rl import rollout
+from sage_jax.core import sage
+from sage_jax.config import HintConfig, RLConfig
 from sage_jax.tasks.data import Example
 
 G = 4
@@ -14,9 +16,14 @@ G = 4
 class CharTask:
     """Prompts are characters; 'Q:<problem>' asks, '|H:<hint>' adds a hint, 'R:' requests one."""
 
-    reward_name = "double"
+    name = "chars"
     eos_ids = (0,)
     pad_id = 0
+    system_prompt = None
+
+    @staticmethod
+    def reference(problem, answer, hint=None):
+        return answer
 
     def answer_prompt(self, problem):
         return [ord(c) for c in "Q:" + problem]
@@ -86,10 +93,11 @@ def make_examples(needs, with_solution=True):
 def run(method, examples, ids=None, tables=None, step=0, policy=None, **kw):
     policy = policy or ScriptedPolicy()
     tables = tables or rollout.SageTables.empty(len(examples), hint_width=64)
-    settings = rollout.RolloutSettings(method=method, group_size=G, max_new_tokens=16, **kw)
+    rl = RLConfig(method=method, group_size=G, max_new_tokens=16)
+    hint = HintConfig(**{k.removeprefix("hint_"): v for k, v in kw.items()})
     ids = np.arange(len(examples)) if ids is None else ids
     out = rollout.run([examples[i] for i in ids], np.asarray(ids), task=CharTask(),
-                      sampler=policy, scorer=scorer, settings=settings, tables=tables, step=step)
+                      sampler=policy, scorer=scorer, rl=rl, hint=hint, tables=tables, step=step)
     return out, policy, tables
 
 
@@ -145,9 +153,9 @@ def test_scorer_gets_the_tasks_reference_for_the_context_each_group_was_asked_in
                              ("resample", {"@0": "-"})):
         seen.clear()
         ex = make_examples([0, 2])
-        settings = rollout.RolloutSettings(method=method, group_size=G, max_new_tokens=16)
         rollout.run(ex, np.arange(2), task=RefTask(), sampler=ScriptedPolicy(),
-                    scorer=recording_scorer, settings=settings,
+                    scorer=recording_scorer, hint=HintConfig(),
+                    rl=RLConfig(method=method, group_size=G, max_new_tokens=16),
                     tables=rollout.SageTables.empty(2, hint_width=64), step=0)
         assert len(seen) == G * (2 + (2 if method == "sage" else 3))
         for response, gt in seen:
@@ -294,7 +302,7 @@ def test_hint_cache_round_trip():
 
 
 def test_hinted_vs_plain_loss_context_differs_exactly_by_the_hint_tokens():
-    from sage_jax import batching
+    from sage_jax.rl import batching
     ex = make_examples([0, 2])
     out, _, _ = run("sage", ex)
     hinted = batching.train_batch(out, loss_context="hinted")
@@ -324,13 +332,16 @@ def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
     those of the sampler's layout (prompt left-padded to P columns, answer in T columns)."""
     from flax import nnx
 
-    from sage_jax import batching, grpo, models, sampling
+    from sage_jax.rl import batching
+    from sage_jax.core import grpo
+    from sage_jax import models
+    from sage_jax.engine import sampling
     ex = make_examples([0, 2, 3, 1])
     out, _, _ = run("sage", ex)
     batch = batching.train_batch(out, loss_context="hinted")
     t = out.samples.tokens.shape[-1]
     p = sampling.prompt_bucket(max(len(x) for x in out.prompts))
-    ptok, pmask = batching.left_pad(out.prompts, p, 0)
+    ptok, pmask = sampling.left_pad(out.prompts, p, 0)
     rows = np.arange(len(ex) * G) // G
     ans = out.samples.tokens.reshape(-1, t)
     alive = np.arange(t)[None] < out.samples.lengths.reshape(-1, 1)
@@ -355,7 +366,7 @@ def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
 
 
 def test_reference_hints_rescue_collapsed_groups_without_writing_and_train_on_them():
-    from sage_jax import batching
+    from sage_jax.rl import batching
     ex = [Example(problem=f"p{i}n{n}", answer="RIGHT", solution="L1;L2;L3;RIGHT", hint=None,
                   index=i) for i, n in enumerate([0, 1, 2, 3, 4])]
     out, policy, tables = run("sage", ex, hint_source="reference")
@@ -377,7 +388,7 @@ def test_reference_hints_rescue_collapsed_groups_without_writing_and_train_on_th
 def test_reference_source_rescues_a_mixed_group_with_a_stochastic_policy():
     """With answers right half the time once hinted, the rescued groups are mixed: they get
     non-zero advantages (what SAGE is for)."""
-    from sage_jax import batching
+    from sage_jax.rl import batching
 
     class Half(ScriptedPolicy):
         def __call__(self, prompts, **kw):

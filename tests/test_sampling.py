@@ -8,7 +8,8 @@ import torch
 from flax import nnx
 
 from hf_reference import TINY_CONFIGS, make_hf_model
-from sage_jax import models, sampling
+from sage_jax import models
+from sage_jax.engine import sampling
 
 
 def _tiny(vocab=97, seed=0, **kw):

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import sft
+from sage_jax.engine import sft
 from sage_jax.models.decoder import Decoder
-from sage_jax.tasks import toy, toy_calibrate
+from sage_jax.tasks import toy
+from sage_jax.tasks.toy import calibrate as toy_calibrate
 
 
 def _tiny(seed=0):
@@ -39,7 +40,7 @@ def test_sft_loss_ignores_prompt_and_padding():
     a = float(sft.sft_loss(g, p, tokens, mask))
     b = float(sft.sft_loss(g, p, np.where(np.arange(8) >= 5, 33, tokens), mask))  # padding
     assert a == pytest.approx(b, rel=1e-6)
-    lp = np.asarray(sft.token_logprobs(g, p, tokens))
+    lp = np.asarray(sft.next_token_logprobs(g, p, tokens))
     assert a == pytest.approx(-lp[0, [2, 3]].mean(), rel=1e-5)
 
 

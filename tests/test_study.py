@@ -5,13 +5,12 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import reproduce_toy  # noqa: E402
-from sage_jax import train  # noqa: E402
+from sage_jax.run import loop  # noqa: E402
 from sage_jax.metrics import read_metrics  # noqa: E402
 
 
@@ -30,7 +29,7 @@ def test_study_runs_resumes_a_killed_run_and_skips_finished_ones(tmp_path, monke
     overrides = ["task.toy.eval_per_length=2", "task.toy.problems=4", *shrunk(tmp_path / "cache")]
     killed = out / "runs" / "sage-ref-s0"
     # a run killed after its first step: a checkpoint at step 1, one logged step
-    train.train(reproduce_toy.run_config("sage-ref", 0, 2, overrides, 1), killed, stop_after=1)
+    loop.train(reproduce_toy.run_config("sage-ref", 0, 2, overrides, 1), killed, stop_after=1)
     assert [r["step"] for r in read_metrics(killed)] == [1]
     text = reproduce_toy.main(args)
     for arm in ("grpo", "sage-ref"):
@@ -55,5 +54,5 @@ def test_study_runs_resumes_a_killed_run_and_skips_finished_ones(tmp_path, monke
     # re-running trains nothing: every run is finished
     def no_training(*a, **k):
         raise AssertionError("a finished run was trained again")
-    monkeypatch.setattr(train, "train", no_training)
+    monkeypatch.setattr(loop, "train", no_training)
     assert reproduce_toy.main(args) == text

@@ -5,7 +5,7 @@ import pickle
 import numpy as np
 import pytest
 
-from sage_jax import rewards, sage
+from sage_jax.core import sage
 from sage_jax.models.char_tokenizer import CharTokenizer
 from sage_jax.tasks import toy
 
@@ -88,10 +88,10 @@ def test_spec_validates():
 # ---- reward ---------------------------------------------------------------------------------
 
 def test_reward_reference_scores_one_and_wrong_final_number_zero():
-    fn = rewards.get_reward("toy")
-    assert fn is toy.toy_reward
-    pickle.dumps(fn)
     task = toy.ToyTask()
+    fn = task.reward_fn
+    assert fn is toy.toy_reward
+    assert pickle.loads(pickle.dumps(fn)) is fn  # the reward workers get it by name
     for p in _problems(3):
         gt = task.reference(p.text, p.answer)
         assert gt == p.solution
@@ -123,17 +123,13 @@ def test_reward_checks_every_step_not_only_the_answer():
     assert toy.toy_reward("a=1+1=2;A:7", "7") == 1.0 and toy.toy_reward("A:12;A:13", "12") == 0.0
 
 
-def test_ground_truth_uses_the_tasks_reference_where_it_has_one():
-    from sage_jax.tasks import base, data
+def test_reference_is_the_continuation_and_extract_answer_the_last_value():
     p = toy.ToyProblem(7, (("+", 3), ("-", 8)), 5)
-    ex = toy.to_example(p, 0)
-    assert base.ground_truth(toy.ToyTask(), ex) == p.solution
-    assert base.ground_truth(toy.ToyTask(), ex, "e=7+3=0") == toy.continuation(p, "e=7+3=0")
-
-    class Plain:  # a task with no reference: the final answer
-        pass
-
-    assert base.ground_truth(Plain(), data.Example("q", "42", None, None, 0), "h") == "42"
+    task = toy.ToyTask()
+    assert task.reference(p.text, p.answer) == p.solution
+    assert task.reference(p.text, p.answer, "e=7+3=0") == toy.continuation(p, "e=7+3=0")
+    assert task.extract_answer("e=7+3=0;A:3 then A:4") == "4"
+    assert task.extract_answer("no answer") is None
 
 
 # ---- hints ----------------------------------------------------------------------------------
@@ -191,7 +187,7 @@ def test_prompt_formats():
     assert tok.decode(task.hinted_prompt(p.text, "x\ny\u00e9")) == "Q:7+3-8:e\nH:x y?\n"
     assert task.decode(tok.encode("a=7+3=0;A:0", eos=True) + [65, 66]) == "a=7+3=0;A:0"
     assert task.eos_ids == (tok.eos_id,) and task.pad_id == tok.pad_id
-    assert task.reward_name in rewards.reward_names()
+    assert task.name == "toy" and task.system_prompt is None
 
 
 def test_sft_mix_covers_every_length_kind_and_level():

@@ -6,9 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from sage_jax import config, train
+from sage_jax import jobs
+from sage_jax import config
 from sage_jax.metrics import read_metrics
-from sage_jax.tasks import toy_job
+from sage_jax.jobs import toy as toy_job
+from sage_jax.tasks.toy import warm_start
 
 SHRUNK = ["task.toy.min_steps=2", "task.toy.max_steps=3", "task.toy.sft_steps=12",
           "task.toy.sft_target_step_acc=0", "task.toy.calibrate_per_length=2",
@@ -19,9 +21,9 @@ SHRUNK = ["task.toy.min_steps=2", "task.toy.max_steps=3", "task.toy.sft_steps=12
 
 def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys):
     cache = tmp_path / "cache"
-    cfg = config.load_config(train.DEFAULT_CONFIG, SHRUNK + [f"task.toy.cache_dir={cache}"])
+    cfg = config.load_config(config.DEFAULT_CONFIG, SHRUNK + [f"task.toy.cache_dir={cache}"])
     run = tmp_path / "run"
-    train.run(cfg, run)
+    jobs.run(cfg, run)
     out = capsys.readouterr().out
     # warm start trained once and cached as a Hugging Face folder
     (cached,) = cache.iterdir()
@@ -52,9 +54,9 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     png = (run / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # a second start reads the cache (same parameters), it does not train again
-    model = toy_job.warm_started_model(cfg, progress=print)
+    model = warm_start.warm_started_model(cfg, progress=print)
     assert "cached SFT model" in capsys.readouterr().out
-    first = toy_job.warm_started_model(cfg, progress=lambda s: None)
+    first = warm_start.warm_started_model(cfg, progress=lambda s: None)
     from flax import nnx
     import jax
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(first))):
@@ -66,20 +68,20 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     monkey = pytest.MonkeyPatch()
     monkey.setattr(toy_job, "PACKAGED", shipped)
     try:
-        toy_job.warm_started_model(cfg, progress=print)
+        warm_start.warm_started_model(cfg, progress=print)
         assert f"the shipped SFT model {shipped}" in capsys.readouterr().out
-        other = config.load_config(train.DEFAULT_CONFIG, SHRUNK + ["task.toy.sft_seed=5"])
-        assert toy_job.packaged_settings() == toy_job.warm_start_settings(cfg)
-        assert toy_job.packaged_settings() != toy_job.warm_start_settings(other)
+        other = config.load_config(config.DEFAULT_CONFIG, SHRUNK + ["task.toy.sft_seed=5"])
+        assert warm_start.packaged_settings() == warm_start.warm_start_settings(cfg)
+        assert warm_start.packaged_settings() != warm_start.warm_start_settings(other)
     finally:
         monkey.undo()
 
 
 def test_shipped_warm_start_matches_the_default_config():
-    """The checkpoint under sage_jax/tasks/toy_sft is what the default job loads: it must have
+    """The checkpoint under sage_jax/tasks/toy/toy_sft is what the default job loads: it must have
     been made with configs/toy.yaml's warm-start settings (else every fresh run retrains)."""
-    cfg = config.load_config(train.DEFAULT_CONFIG, [])
-    shipped = toy_job.packaged_settings()
-    assert shipped is not None, f"no shipped warm start in {toy_job.PACKAGED}"
-    assert toy_job._same(shipped, toy_job.warm_start_settings(cfg))
-    assert (toy_job.PACKAGED / "model.safetensors").is_file()
+    cfg = config.load_config(config.DEFAULT_CONFIG, [])
+    shipped = warm_start.packaged_settings()
+    assert shipped is not None, f"no shipped warm start in {warm_start.PACKAGED}"
+    assert warm_start._same(shipped, warm_start.warm_start_settings(cfg))
+    assert (warm_start.PACKAGED / "model.safetensors").is_file()

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import build, checkpoint, config, train
+from sage_jax.run import loop
+from sage_jax.run import restore
+from sage_jax import checkpoint, config, train
 from sage_jax.metrics import read_metrics
 
 TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
@@ -24,14 +26,14 @@ SAGE = ["collapse/frac_all_zero", "collapse/frac_all_one", "collapse/frac_all_ze
 
 
 def cfg(*overrides):
-    return config.load_config(train.DEFAULT_CONFIG, TINY + list(overrides))
+    return config.load_config(config.DEFAULT_CONFIG, TINY + list(overrides))
 
 
 @pytest.mark.parametrize("method", ["grpo", "sage", "sage_light", "resample"])
 def test_each_method_runs_and_writes_metrics(tmp_path, method):
     evals = (["eval.every=2", "eval.k=2", "eval.limit=4", "eval.max_new_tokens=16"]
              if method == "grpo" else [])
-    train.train(cfg(f"rl.method={method}", "train.steps=2", *evals), tmp_path)
+    loop.train(cfg(f"rl.method={method}", "train.steps=2", *evals), tmp_path)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     if evals:  # in-training validation, no hints
         assert "eval/toy/avg@2" in rows[1] and "eval/toy/avg@2" not in rows[0]
@@ -50,7 +52,7 @@ def test_each_method_runs_and_writes_metrics(tmp_path, method):
 
 
 def _params(workdir):
-    _, model, step = build.restore_policy(workdir)
+    _, model, step = restore.restore_policy(workdir)
     return step, {"/".join(map(str, k)): np.asarray(v.get_value())
                   for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
@@ -58,8 +60,8 @@ def _params(workdir):
 def test_resume_is_bit_identical_and_survives_a_crash_during_save(tmp_path, monkeypatch):
     c = cfg("rl.method=sage", "train.steps=4")
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train.train(c, straight)
-    train.train(c, split, stop_after=2)
+    loop.train(c, straight)
+    loop.train(c, split, stop_after=2)
     assert checkpoint.Checkpointer(split, keep=3).latest_step() == 2
 
     # Crash while step 3's checkpoint is being written.
@@ -72,10 +74,10 @@ def test_resume_is_bit_identical_and_survives_a_crash_during_save(tmp_path, monk
 
     monkeypatch.setattr(checkpoint.Checkpointer, "save", crashing_save)
     with pytest.raises(KeyboardInterrupt):
-        train.train(c, split)
+        loop.train(c, split)
     monkeypatch.undo()
     assert checkpoint.Checkpointer(split, keep=3).latest_step() == 2
-    train.train(c, split)  # resumes from step 2
+    loop.train(c, split)  # resumes from step 2
 
     s_step, s_params = _params(straight)
     r_step, r_params = _params(split)
@@ -91,7 +93,7 @@ def test_resume_is_bit_identical_and_survives_a_crash_during_save(tmp_path, monk
 
 def test_bad_config_fails_before_compile(tmp_path):
     with pytest.raises(ValueError, match="rl.prompts_per_step"):
-        train.train(cfg("rl.prompts_per_step=3", "rl.minibatches=1", "rl.group_size=3",
+        loop.train(cfg("rl.prompts_per_step=3", "rl.minibatches=1", "rl.group_size=3",
                         "mesh.data=8", "train.steps=1"), tmp_path)
 
 
@@ -111,7 +113,7 @@ def test_sage_resamples_hinted_groups_with_the_real_sampler(tmp_path):
     data = tmp_path / "toy_hints.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
-    train.train(cfg("rl.method=sage", "train.steps=1", "hint.source=column",
+    loop.train(cfg("rl.method=sage", "train.steps=1", "hint.source=column",
                     f"data.train_files=[{data}]", "data.hint_key=hint"), run)
     (m,) = read_metrics(run / "metrics.jsonl")
     unresolved = round(m["collapse/frac_all_zero"] * 4)  # 4 prompts per step

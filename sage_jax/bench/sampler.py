@@ -15,7 +15,8 @@ import time
 import jax
 import numpy as np
 
-from sage_jax import models, sampling
+from sage_jax import models
+from sage_jax.engine import sampling
 from sage_jax.bench.common import build_model, peers_module
 
 

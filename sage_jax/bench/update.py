@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import config as config_lib, parallel, update
+from sage_jax import config as config_lib, parallel
+from sage_jax.engine import update
 from sage_jax.bench import common
 
 MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch

@@ -70,13 +70,13 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
-def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def apply_rope(x_BxTxQxH: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding in the rotate-half convention of Hugging Face."""
     freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x_BxTxNxH.dtype), jnp.sin(emb).astype(x_BxTxNxH.dtype)
-    x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
-    return x_BxTxNxH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+    cos, sin = jnp.cos(emb).astype(x_BxTxQxH.dtype), jnp.sin(emb).astype(x_BxTxQxH.dtype)
+    x1, x2 = jnp.split(x_BxTxQxH, 2, axis=-1)
+    return x_BxTxQxH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -146,8 +146,8 @@ class Attention(nnx.Module):
             cache_k, cache_v, index = kv
             k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
             v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
-        q_BxTxKxGxH = q.reshape(b, t, self.k, self.n // self.k, self.h)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k.astype(q.dtype),
+        q_BxTxKxJxH = q.reshape(b, t, self.k, self.n // self.k, self.h)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxJxH, k.astype(q.dtype),
                             preferred_element_type=jnp.float32) / math.sqrt(self.h)
         scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)

@@ -1,16 +1,28 @@
-"""The Task interface: a task owns its three prompt formats and names its reward."""
+"""The Task interface, and the plug-in record through which generic code builds a task.
+
+A task owns its prompt formats, its reward and how an answer is read. A `TaskPlugin` says how to
+build the task from a run's config and what the task has built in (a model, training examples,
+held-out problems); `sage_jax.tasks.registry.TASKS` maps `task.name` to plug-ins. Generic code
+(the run, the evaluator, export) asks these two and never branches on a task's name.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import dataclasses
+from typing import Any, Callable, Protocol, Sequence
+
+RewardFn = Callable[[str, str], float]  # (response text, ground truth) -> score
 
 
 class Task(Protocol):
-    """Prompt formats and decoding for one task (math through a chat template, toy by chars)."""
+    """Prompt formats, decoding and scoring for one task (math through a chat template, toy by
+    chars)."""
 
-    reward_name: str  # a name registered in `sage_jax.rewards`
+    name: str
+    reward_fn: RewardFn  # a module-level function (the reward workers import it by name)
     eos_ids: tuple[int, ...]
     pad_id: int
+    system_prompt: str | None  # the answer prompt's system message (None: the task has none)
 
     def answer_prompt(self, problem: str) -> list[int]:
         """Token ids of the prompt that asks for an answer (no hint)."""
@@ -24,16 +36,38 @@ class Task(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids (special tokens dropped)."""
 
+    def reference(self, problem: str, answer: str, hint: str | None = None) -> str:
+        """What `reward_fn` compares an answer to, for a problem asked with `hint` (None: no
+        hint): the final answer (math), the whole reference continuation (toy)."""
+
+    def extract_answer(self, text: str) -> str | None:
+        """The final answer a completion gives, as the reward reads it (None: none found)."""
+
     def reference_hints(self, problem: str, solution: str, answer: str) -> dict[int, str]:
         """{level: hint} derived from the reference solution by the task's fixed rule (the
         `reference` hint source): prefixes of the solution at several strengths, never the final
         answer. Levels the solution is too short for are absent."""
 
 
-def ground_truth(task: Task, example, hint: str | None = None) -> str:
-    """What `task`'s reward compares an answer to, for an example (`.problem`, `.answer`) asked
-    with `hint` (None: no hint): `task.reference(problem, answer, hint)` where the task defines it
-    (the toy task checks the whole continuation), else the final answer."""
-    reference = getattr(task, "reference", None)
-    return example.answer if reference is None else reference(example.problem, example.answer,
-                                                              hint)
+@dataclasses.dataclass(frozen=True)
+class TaskPlugin:
+    """How to build a task from a run's `Config`, and what it has built in.
+
+    make_task(cfg, model_path, system_prompt) -> Task: `model_path` is the model folder whose
+      tokenizer the prompts use (None: cfg.model.path); `system_prompt` overrides the task's
+      answer system message where it has one (None: its default).
+    model_config(cfg) -> ModelConfig: the built-in model's architecture, used when model.path
+      is empty (None: the task needs model.path).
+    make_model(cfg, dtype, compute_dtype) -> Decoder: the built-in model at its starting point.
+    examples(cfg) -> list[Example]: built-in training examples, used when data.train_files is
+      empty (None: the task needs data files).
+    eval_problems(limit) -> {benchmark: [Problem]}: built-in held-out problems, evaluated
+      instead of cfg.eval.benchmarks (None: the task is evaluated on benchmark files).
+    """
+
+    name: str
+    make_task: Callable[[Any, str | None, str | None], Task]
+    model_config: Callable[[Any], Any] | None = None
+    make_model: Callable[[Any, Any, Any], Any] | None = None
+    examples: Callable[[Any], list] | None = None
+    eval_problems: Callable[[int | None], dict[str, list]] | None = None

@@ -22,11 +22,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import datasets
 import numpy as np
 
 if TYPE_CHECKING:
-    import datasets
-
     from sage_jax.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -81,8 +80,6 @@ def _sources(files: tuple[str, ...] | list[str], fmt: str) -> list[tuple[str, st
 
 def _read(source: str, builder: str) -> datasets.Dataset:
     """The rows of one file (or hub dataset `name[:split]`) as a `datasets.Dataset`."""
-    import datasets  # Imported here: it is slow to import and only the data loader needs it.
-
     try:
         if builder == "hub":
             name, _, split = source.partition(":")

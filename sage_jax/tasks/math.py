@@ -5,8 +5,11 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+from sage_jax.config import ConfigError
+from sage_jax.core.sage import LEVELS, leaks_answer
 from sage_jax.models.tokenizer import Tokenizer
-from sage_jax.sage import LEVELS, leaks_answer
+from sage_jax.rewards import extract_boxed, math_reward_checked
+from sage_jax.tasks.base import TaskPlugin
 
 # SAGE's and Qwen-Math's evaluation instruction; training uses the same one.
 ANSWER_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -65,9 +68,10 @@ def prefix_hints(solution: str, answer: str) -> dict[int, str]:
 
 
 class MathTask:
-    """Math word problems scored by `rewards.math_reward`."""
+    """Math word problems scored by `rewards.math_reward` (its timeouts and refusals counted)."""
 
-    reward_name = "math"
+    name = "math"
+    reward_fn = staticmethod(math_reward_checked)
 
     def __init__(self, tokenizer: Tokenizer, *, system_prompt: str = ANSWER_SYSTEM):
         self.tok = tokenizer
@@ -92,3 +96,25 @@ class MathTask:
     def reference_hints(problem: str, solution: str, answer: str) -> dict[int, str]:
         del problem
         return prefix_hints(solution, answer)
+
+    @staticmethod
+    def reference(problem: str, answer: str, hint: str | None = None) -> str:
+        """The final answer: the reward compares the last `\\boxed{}` with it."""
+        del problem, hint
+        return answer
+
+    @staticmethod
+    def extract_answer(text: str) -> str | None:
+        return extract_boxed(text)
+
+
+def make_task(cfg, model_path: str | None = None, system_prompt: str | None = None) -> MathTask:
+    """Chat prompts through the tokenizer of `model_path` (default cfg.model.path)."""
+    path = model_path or cfg.model.path
+    if not path:
+        raise ConfigError("task.name=math needs model.path (a Hugging Face folder)",
+                          key="model.path")
+    return MathTask(Tokenizer(path), system_prompt=system_prompt or ANSWER_SYSTEM)
+
+
+PLUGIN = TaskPlugin(name="math", make_task=make_task)

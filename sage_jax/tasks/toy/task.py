@@ -67,8 +67,8 @@ import numpy as np
 
 from sage_jax.models.char_tokenizer import CharTokenizer
 from sage_jax.models.config import ModelConfig
-from sage_jax.rewards import get_reward, register_reward
-from sage_jax.sage import LEVELS
+from sage_jax.core.sage import LEVELS
+from sage_jax.tasks.benchmarks import Problem
 from sage_jax.tasks.data import Example
 
 BASE = 10  # values are digits; every operation is mod 10
@@ -238,19 +238,14 @@ def toy_reward(response: str, ground_truth: str) -> float:
     return 1.0 if int(found[-1]) == int(_ANSWER_RE.findall(gt)[-1]) else 0.0
 
 
-try:
-    register_reward("toy", toy_reward)
-except ValueError:  # re-imported under another module name; keep the first one
-    pass
-assert get_reward("toy") is not None
-
-
 # ---- the task -------------------------------------------------------------------------------
 
 class ToyTask:
     """Prompt formats of the toy task (`sage_jax.tasks.base.Task`) through `CharTokenizer`."""
 
-    reward_name = "toy"
+    name = "toy"
+    reward_fn = staticmethod(toy_reward)
+    system_prompt = None
 
     def __init__(self, tokenizer: CharTokenizer | None = None):
         self.tok = tokenizer or CharTokenizer()
@@ -295,6 +290,12 @@ class ToyTask:
         return continuation(ToyProblem.parse(problem), hint)
 
     @staticmethod
+    def extract_answer(text: str) -> str | None:
+        """The value of the last `A:` line of a completion."""
+        found = _ANSWER_RE.findall(text)
+        return found[-1] if found else None
+
+    @staticmethod
     def reference_hints(problem: str, solution: str, answer: str) -> dict[int, str]:
         """The levels of `reference_hints` (1 step, k/2 steps, k-1 steps of the solution)."""
         del problem, answer  # the solution's steps are all the rule needs
@@ -334,6 +335,8 @@ class ToySpec:
 # evaluation use the longer ones, where groups collapse.
 SFT_SPEC = ToySpec(1, 16)
 RL_SPEC = ToySpec(8, 16)
+EVAL_PROBLEMS = 256  # size of the held-out evaluation set
+EVAL_SEED = 31_337  # differs from the training (seed 0) and calibration (10_000+) seeds
 
 
 def make_problems(n: int, spec: ToySpec = RL_SPEC, *, seed: int = 0,
@@ -356,12 +359,13 @@ def make_examples(n: int, spec: ToySpec = RL_SPEC, *, seed: int = 0,
                                                                  per_length=per_length))]
 
 
-def write_examples(path, examples: Sequence[Example]) -> None:
-    """Writes examples as JSONL (problem, answer, solution, index) for `sage_jax.tasks.data`."""
-    with open(path, "w") as f:
-        for ex in examples:
-            f.write(json.dumps({"problem": ex.problem, "answer": ex.answer,
-                                "solution": ex.solution, "index": ex.index}) + "\n")
+def eval_problems(n: int = EVAL_PROBLEMS, *, limit: int | None = None
+                  ) -> dict[str, list[Problem]]:
+    """{"toy": the held-out evaluation problems} on the RL length distribution (the first
+    `limit`), for `python -m sage_jax.evaluate` and in-training validation."""
+    n = n if limit is None else min(n, limit)
+    return {"toy": [Problem(problem=ex.problem, answer=ex.answer, index=ex.index, source="toy")
+                    for ex in make_examples(n, RL_SPEC, seed=EVAL_SEED)]}
 
 
 # ---- the SFT mix ----------------------------------------------------------------------------

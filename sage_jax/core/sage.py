@@ -19,6 +19,8 @@ LEVELS = (1, 2, 3)
 
 # ---- group status ---------------------------------------------------------------------------
 
+COLLAPSE_MIXED, COLLAPSE_ALL_ZERO, COLLAPSE_ALL_ONE = 0, 1, 2  # a group's first-pass status codes
+
 def group_status(rewards_BxG, *, collapse_std: float = 0.0, success_threshold: float = 0.0):
     """Per-prompt masks from one rollout's rewards.
 

@@ -86,6 +86,19 @@ BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
 PREFILL_SCORES_BYTES = 1 << 30  # prefill in chunks of prompts above ~1 GiB of attention scores
 
 
+def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
+    """(tokens_BxP int32, mask_BxP bool) with each prompt right-aligned in `length` columns (the
+    layout `sample` takes)."""
+    tok = np.full((len(prompts), length), pad_id, np.int32)
+    mask = np.zeros((len(prompts), length), bool)
+    for i, p in enumerate(prompts):
+        if not 0 < len(p) <= length:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; must be 1..{length}")
+        tok[i, length - len(p):] = p
+        mask[i, length - len(p):] = True
+    return tok, mask
+
+
 def prompt_bucket(n: int) -> int:
     """Padded prompt length for a prompt of n tokens: the next power of two, at least 16."""
     return max(PROMPT_BUCKET_MIN, 1 << max(n - 1, 0).bit_length())
@@ -239,14 +252,14 @@ def _draw(w_RxV: jax.Array, u_Rx2: jax.Array) -> jax.Array:
     nb = -(-v // bs)
     w = jnp.pad(w_RxV, ((0, 0), (0, nb * bs - v))).reshape(r, nb, bs)
 
-    def pick(w_RxN, u_R):
+    def pick(w_RxW, u_R):
         # First index whose cumulative weight reaches (1 - u) * total > 0: never a zero weight,
         # unless rounding in the cumulative sum says otherwise (then: the largest weight).
-        cdf = jnp.cumsum(w_RxN, axis=-1)
+        cdf = jnp.cumsum(w_RxW, axis=-1)
         target = (1.0 - u_R)[:, None] * cdf[:, -1:]
-        i = jnp.minimum(jnp.sum(cdf < target, axis=-1), w_RxN.shape[-1] - 1)
-        ok = jnp.take_along_axis(w_RxN, i[:, None], axis=-1)[:, 0] > 0
-        return jnp.where(ok, i, jnp.argmax(w_RxN, axis=-1))
+        i = jnp.minimum(jnp.sum(cdf < target, axis=-1), w_RxW.shape[-1] - 1)
+        ok = jnp.take_along_axis(w_RxW, i[:, None], axis=-1)[:, 0] > 0
+        return jnp.where(ok, i, jnp.argmax(w_RxW, axis=-1))
 
     blk = pick(jnp.sum(w, axis=-1), u_Rx2[:, 0])
     inner = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]
@@ -621,12 +634,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 2
     for i, pr in enumerate(prompts):
         if len(pr) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-    n, p = len(prompts), max(len(pr) for pr in prompts)
-    tok = np.full((n, p), pad_id, np.int32)
-    mask = np.zeros((n, p), bool)
-    for i, pr in enumerate(prompts):
-        tok[i, p - len(pr):] = np.asarray(pr, np.int32)
-        mask[i, p - len(pr):] = True
+    n = len(prompts)
+    tok, mask = left_pad(prompts, max(len(pr) for pr in prompts), pad_id)
     eos = model.cfg.eos_ids if eos_token_id is None else eos_token_id
     key = jax.random.PRNGKey(0) if key is None else key
     graphdef, params = nnx.split(model)

@@ -10,11 +10,11 @@ Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
                         from the state's params before the first update when absent
   ref_logp_NxL   f32    optional: the frozen reference's log-probs; required when rl.kl_beta > 0
   level_N        int8   optional: the hint level of the row's group (0: no hint)
-  collapse_N     int8   optional: the group's first-pass status (`rollout.COLLAPSE_*` codes:
+  collapse_N     int8   optional: the group's first-pass status (`core.sage.COLLAPSE_*` codes:
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
 One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates. Mini-batch j
-holds rows j*K .. j*K+K-1 of every block of M*K rows (M mini-batches of K micro-batches), i.e.
+holds rows j*U .. j*U+U-1 of every block of M*U rows (M mini-batches of U micro-batches), i.e.
 rows are dealt out in stripes, so every device holds an equal share of every (micro-)batch
 without moving data; shuffle rows beforehand for random mini-batches. A mini-batch is split into
 micro-batches of `rl.micro_batch_size` rows (all devices together; at most the mini-batch)
@@ -35,8 +35,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sage_jax import grpo, models, parallel
-from sage_jax.state import TrainState, master_params
+from sage_jax.core import grpo, sage
+from sage_jax import models, parallel
+from sage_jax.engine.state import TrainState, master_params
 
 REQUIRED = ("tokens_NxL", "mask_NxL", "loss_mask_NxL", "advantages_N")
 OPTIONAL = ("old_logp_NxL", "ref_logp_NxL", "level_N", "collapse_N")
@@ -87,7 +88,7 @@ def init_train_state(model: models.Decoder, cfg, mesh) -> tuple:
 
 
 def layout(n: int, rl) -> tuple[int, int, int]:
-    """(minibatches M, micro-batches per mini-batch K, rows per micro-batch R) for N rows."""
+    """(minibatches M, micro-batches per mini-batch U, rows per micro-batch R) for N rows."""
     m = rl.minibatches
     if n % m:
         raise ValueError(f"batch has {n} rows, not divisible by rl.minibatches={m}")
@@ -153,7 +154,7 @@ def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, rl, chunk, remat, 
 
 
 def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
-    """The batch split to [M, K, R, ...] (row r*M*K + j*K + i -> [j, i, r]), with old log-probs
+    """The batch split to [M, U, R, ...] (row r*M*U + j*U + i -> [j, i, r]), with old log-probs
     (recomputed from `params` when absent; with `skip_first`, not for mini-batch 0, which the
     first update takes fresh), and per-mini-batch token and sequence counts."""
     m, k, r = layout(batch["tokens_NxL"].shape[0], rl)
@@ -188,7 +189,7 @@ def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
 
 def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=True,
                 fresh=False):
-    """(grads, metrics) of one mini-batch [K, R, ...]: micro-batch gradients summed in a scan,
+    """(grads, metrics) of one mini-batch [U, R, ...]: micro-batch gradients summed in a scan,
     each normalised by the whole mini-batch's token (or sequence) count (`fresh`: see
     `_micro_loss`)."""
     denoms = (jnp.maximum(tokens, 1.0), jnp.maximum(seqs, 1.0))
@@ -241,7 +242,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
 
     def update(carry, j):
         params, opt_state, u = carry
-        mini = jax.tree.map(lambda x: x[j], data)  # [K, R, ...]
+        mini = jax.tree.map(lambda x: x[j], data)  # [U, R, ...]
         grads, metrics = _accumulate(params, mini, tokens_M[j], seqs_M[j], remat=remat_logits,
                                      fresh=skip_first & (u == 0), **kw)
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -270,7 +271,7 @@ def _sage_metrics(batch: dict) -> dict:
         abs_adv = jnp.where(hinted, jnp.abs(batch["advantages_N"]), 0.0)
         out["batch/hinted_abs_adv"] = jnp.sum(abs_adv) / jnp.maximum(jnp.sum(hinted), 1)
     if "collapse_N" in batch:
-        zero = batch["collapse_N"] == 1
+        zero = batch["collapse_N"] == sage.COLLAPSE_ALL_ZERO
         out["batch/rescued_token_frac"] = jnp.sum(
             jnp.where(zero & (batch["advantages_N"] != 0), tokens_N, 0.0)) / total
     return out

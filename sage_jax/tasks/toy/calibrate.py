@@ -1,6 +1,6 @@
 """Warm start and calibration of the toy testbed.
 
-`warm_start` trains the toy model with `sage_jax.sft` on the toy SFT mix and stops when the
+`warm_start` trains the toy model with `sage_jax.engine.sft` on the toy SFT mix and stops when the
 teacher-forced single-step accuracy (at temperature 1) reaches a target, so the policy starts RL
 where single steps are right about 85-90% of the time.
 
@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sage_jax import sage, sft
+from sage_jax.core import sage
+from sage_jax.engine import sampling, sft
 from sage_jax.models.decoder import Decoder
-from sage_jax.tasks import toy
+from sage_jax.tasks.toy import task as toy
 
 SFT_DEFAULTS = dict(steps=6000, batch_size=32, lr=3e-3, warmup=50, target_step_acc=0.87,
                     eval_every=10, eval_per_length=8, bucket=32, short_max_steps=4,
@@ -58,7 +59,7 @@ def pick_hint_source(source: str, write_acc_l1: float | None) -> tuple[str, str]
 
 @functools.lru_cache(maxsize=8)
 def _logprob_fn(graphdef):
-    return jax.jit(functools.partial(sft.token_logprobs, graphdef))
+    return jax.jit(functools.partial(sft.next_token_logprobs, graphdef))
 
 
 def teacher_forced(model: Decoder, problems: Sequence[toy.ToyProblem], *, level: int = 0,
@@ -205,11 +206,6 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
 
 # ---- sampled calibration --------------------------------------------------------------------
 
-def _default_generate():
-    from sage_jax.sampling import generate
-    return generate
-
-
 STEP_CHARS = 8  # "a=7+3=0;"
 
 
@@ -229,7 +225,7 @@ def sample_rewards(model: Decoder, problems: Sequence[toy.ToyProblem], *, group_
     """Rewards [N, group_size] of sampled answers to `problems` (with the level's reference hint
     in the prompt when `level` > 0; every problem must have that level) and the texts [N*G]."""
     task = task or toy.ToyTask()
-    generate = generate or _default_generate()
+    generate = generate or sampling.generate
     if level:
         prompts = [task.hinted_prompt(p.text, toy.reference_hints(p)[level]) for p in problems]
     else:
@@ -255,7 +251,7 @@ def hint_write_accuracy(model: Decoder, problems: Sequence[toy.ToyProblem], *,
     {"parse_rate": share `sage.parse_hints` accepts, "acc": {level: share whose level-l hint
     equals the reference one (of the problems that have that level)}, "samples": 3 texts}."""
     task = task or toy.ToyTask()
-    generate = generate or _default_generate()
+    generate = generate or sampling.generate
     kmax = max(p.k for p in problems)
     requests = [task.hint_request(p.text, p.solution) for p in problems]
     got = generate(model, requests, max_new_tokens=max_payload_tokens(kmax),
@@ -289,7 +285,7 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     """Sampled calibration of a policy on the RL prompt distribution.
 
     `generate(model, prompts, *, max_new_tokens, temperature, top_p, top_k, eos_token_id, key,
-    num_samples)` is `sage_jax.sampling.generate` by default. For each length of `spec`,
+    num_samples)` is `sage_jax.engine.sampling.generate` by default. For each length of `spec`,
     `problems_per_length` problems get a group of `group_size` answers with no hint and with each
     reference hint level; the policy also writes one hint payload per problem (at
     `hint_temperature`, 0 = greedy), scored against the reference-derived hints.
@@ -308,7 +304,7 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     """
     t0 = time.perf_counter()
     task = task or toy.ToyTask()
-    generate = generate or _default_generate()
+    generate = generate or sampling.generate
     if problems is None:
         problems = toy.make_problems(problems_per_length, spec, seed=20_000 + seed,
                                      per_length=True)

@@ -12,8 +12,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sage_jax import models
-
 
 @flax.struct.dataclass
 class TrainState:
@@ -38,16 +36,3 @@ def master_params(params, master_fp32: bool = True):
         return params
     return jax.tree.map(
         lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-
-
-def create_train_state(model: models.Decoder, tx, *, seed: int = 0,
-                       master_fp32: bool = True) -> tuple[Any, TrainState]:
-    """(graphdef, TrainState) for `model` and optax transform `tx`, at step 0 (unsharded).
-
-    `update.init_train_state` builds the same thing from a `Config`, placed on a mesh."""
-    graphdef, params = models.split(model)
-    params = master_params(params, master_fp32)
-    state = TrainState(
-        params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
-        rng=jax.random.PRNGKey(seed), data_position=jnp.zeros((), jnp.int32))
-    return graphdef, state

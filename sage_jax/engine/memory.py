@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sage_jax import models, parallel, sampling, update
+from sage_jax import models, parallel
+from sage_jax.engine import sampling, update
 from sage_jax.config import OptimConfig
-from sage_jax.state import TrainState, master_params
+from sage_jax.engine.state import TrainState, master_params
 
 GIB = 1024 ** 3
 F32 = 4  # bytes of a float32

@@ -7,25 +7,14 @@ Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), P p
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import jax
 import numpy as np
 
-from sage_jax import distributed, grpo, sampling
-from sage_jax.rollout import Rollout, Samples
-
-
-def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
-    """(tokens_BxP int32, mask_BxP bool) with each prompt right-aligned in `length` columns."""
-    tok = np.full((len(prompts), length), pad_id, np.int32)
-    mask = np.zeros((len(prompts), length), bool)
-    for i, p in enumerate(prompts):
-        if not 0 < len(p) <= length:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; must be 1..{length}")
-        tok[i, length - len(p):] = p
-        mask[i, length - len(p):] = True
-    return tok, mask
+from sage_jax import distributed
+from sage_jax.core import grpo
+from sage_jax.engine import sampling
+from sage_jax.rl.types import Rollout, Samples
 
 
 class PolicySampler:
@@ -44,7 +33,7 @@ class PolicySampler:
     def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, temperature,
                  top_p, top_k) -> Samples:
         length = sampling.prompt_bucket(max(len(p) for p in prompts))
-        tok, mask = left_pad(prompts, length, self.pad_id)
+        tok, mask = sampling.left_pad(prompts, length, self.pad_id)
         out = sampling.sample(
             self.graphdef, self.params, tok, mask, key=jax.random.fold_in(self.key, salt),
             num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,

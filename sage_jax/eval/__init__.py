@@ -1,0 +1,1 @@
+"""The evaluation library (benchmarks avg@k / pass@k)."""

@@ -1,0 +1,153 @@
+"""The job behind `python -m sage_jax.evaluate`: load the policy (a model folder, or a run's
+checkpoint restored without training), pick its problems (the paper's benchmarks, or the run's
+task's built-in problems), evaluate, print the table and write results.json, samples.jsonl and
+table.txt."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sage_jax import models, rewards
+from sage_jax.eval import evaluate as eval_lib
+from sage_jax.run import restore
+from sage_jax.tasks import registry
+from sage_jax.tasks.benchmarks import BENCHMARKS
+from sage_jax.tasks.math import ANSWER_SYSTEM, MathTask
+
+
+def _policy(args):
+    """(graphdef, params, task, info, run cfg or None) of --model or --checkpoint."""
+    if args.model:
+        path = Path(args.model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model {path}: no config.json (expected a Hugging Face "
+                                    f"model folder)")
+        dtype = args.dtype
+        if dtype == "auto":
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        try:
+            tokenizer = models.Tokenizer(path)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+            raise ValueError(
+                f"--model {path}: could not load its tokenizer ({type(e).__name__}: {e}). A model "
+                f"exported from a toy-task run has no tokenizer: evaluate that run with "
+                f"--checkpoint instead") from None
+        model = models.from_hf(path, dtype=jnp.dtype(dtype))
+        system = ANSWER_SYSTEM if args.system_prompt is None else args.system_prompt
+        task = MathTask(tokenizer, system_prompt=system)
+        info = {"model": str(path), "dtype": dtype}
+        cfg = None
+    else:
+        workdir, step = restore.split_checkpoint_path(args.checkpoint)
+        cfg, model, step = restore.restore_policy(workdir, step)
+        plugin = registry.plugin(cfg.task.name)
+        if plugin.model_config is None and not (cfg.model.path and Path(cfg.model.path).is_dir()):
+            raise FileNotFoundError(
+                f"the run's base model folder model.path={cfg.model.path!r} (needed for its "
+                f"tokenizer) does not exist; export the checkpoint and use --model")
+        task = plugin.make_task(cfg, None, args.system_prompt)
+        if args.system_prompt is not None and task.system_prompt is None:
+            print(f"note: --system-prompt does not apply to the {cfg.task.name} task",
+                  file=sys.stderr)
+        info = {"checkpoint": str(workdir), "step": int(step), "task": cfg.task.name,
+                "method": cfg.rl.method, "dtype": cfg.model.dtype}
+    if task.system_prompt is not None:
+        info["system_prompt"] = task.system_prompt
+    graphdef, params = models.split(model)
+    return graphdef, params, task, info, cfg
+
+
+def _problems(args, cfg, data_dir):
+    """{benchmark: problems}: a run's task's built-in problems where it has them (no other
+    benchmark applies), else --benchmarks (default: the paper's six) from `data_dir`."""
+    names = None if args.benchmarks is None else [
+        n.strip() for n in args.benchmarks.split(",") if n.strip()]
+    builtin = registry.plugin(cfg.task.name).eval_problems if cfg is not None else None
+    if builtin is None:
+        return eval_lib.load_problems(names or list(BENCHMARKS), data_dir, limit=args.limit,
+                                      layout=args.layout)
+    problems = builtin(args.limit)
+    if names is not None and names != list(problems):
+        raise ValueError(f"this checkpoint is a {cfg.task.name}-task run: it can only be "
+                         f"evaluated on its task's problems (--benchmarks "
+                         f"{','.join(problems)}); use --model with a math model for "
+                         f"{', '.join(names)}")
+    return problems
+
+
+def _default_out(args, info) -> Path:
+    if args.out:
+        return Path(args.out)
+    if "checkpoint" in info:
+        return Path(info["checkpoint"]) / "eval" / f"step_{info['step']}"
+    return Path("eval_results") / Path(info["model"]).resolve().name
+
+
+def run(args) -> dict[str, Any]:
+    """Evaluates as `args` (from the command line) say; prints the table, writes the files."""
+    graphdef, params, task, info, cfg = _policy(args)
+    data_dir = args.data_dir or (cfg.eval.data_dir if cfg is not None else None)
+    problems = _problems(args, cfg, data_dir)
+    max_new = args.max_new_tokens or (cfg.eval.max_new_tokens if cfg is not None else 8192)
+    out_dir = _default_out(args, info)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"k": args.k, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k, "max_new_tokens": max_new, "limit": args.limit,
+                "batch_size": args.batch_size, "seed": args.seed,
+                "data_dir": None if data_dir is None else str(data_dir), "layout": args.layout,
+                "hints": False}
+    listing = ", ".join(f"{n} ({len(p)})" for n, p in problems.items())
+    print(f"evaluating {listing} with k={args.k}, temperature={args.temperature}, "
+          f"top_p={args.top_p}, max_new_tokens={max_new}",
+          file=sys.stderr, flush=True)
+    with rewards.RewardPool(task.reward_fn, timeout_s=args.reward_timeout,
+                            num_workers=args.reward_workers) as pool:
+        _warm_up(pool)
+        result = eval_lib.evaluate_problems(
+            graphdef, params, task, problems, k=args.k, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, max_new_tokens=max_new,
+            key=jax.random.PRNGKey(args.seed), scorer=pool.score, batch_size=args.batch_size,
+            progress=not args.no_progress, keep_samples=True)
+    samples = result.pop("samples")
+    table = eval_lib.format_table(result)
+    report = {**info, "settings": settings, **result}
+    (out_dir / "results.json").write_text(json.dumps(_finite(report), indent=2) + "\n")
+    with (out_dir / "samples.jsonl").open("w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    (out_dir / "table.txt").write_text(table + "\n")
+    source = info.get("model") or f"{info['checkpoint']} step {info['step']}"
+    print(f"\n{source}  (k={args.k}, temperature={args.temperature}, top_p={args.top_p}, "
+          f"max_new_tokens={max_new}, no hints)\n{table}\n")
+    stats = {k: v for k, v in result["reward_stats"].items() if v}
+    if stats:
+        print(f"reward checker: {stats} (each counted as a score of 0)")
+    tok_s = result["generated_tokens"] / max(result["time_s"], 1e-9)
+    print(f"{len(samples)} answers, {result['generated_tokens']} tokens in "
+          f"{result['time_s']:.1f} s ({tok_s:.0f} tokens/s); wrote {out_dir}/results.json, "
+          f"samples.jsonl, table.txt", flush=True)
+    return report
+
+
+def _warm_up(pool) -> None:
+    """Lets every checker process import the reward's module (e.g. the toy task's, which pulls in
+    jax) before the real answers, so that the import does not eat their timeout."""
+    n = 2 * pool.num_workers
+    pool.score(["\\boxed{0} A:0"] * n, ["0"] * n, timeout_s=max(120.0, pool.timeout_s))
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

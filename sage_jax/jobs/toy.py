@@ -1,0 +1,127 @@
+"""The built-in toy task's default job around `run.loop.train`:
+
+    warm start (SFT, shipped or cached) -> calibration gate -> RL -> no-hint evaluation by
+    difficulty -> summary.md + summary.png in the run folder.
+
+It runs for a toy-task run on the task's built-in model (no model.path), single-process (the toy
+job is a one-machine testbed); any other run is the plain training run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from sage_jax import config as config_lib, distributed, metrics as metrics_lib, report
+from sage_jax.run import build, loop, restore
+from sage_jax.tasks.toy import calibrate, task as toy
+from sage_jax.tasks.toy.warm_start import spec
+
+EVAL_SEED = 30_000  # the held-out problems of the evaluation by difficulty
+
+
+def run(cfg, workdir) -> dict:
+    """`loop.train`, and around it on a toy run of the built-in model: the calibration gate
+    before RL on a fresh run (which also resolves `hint.source: auto`), the no-hint evaluation by
+    difficulty and summary.md/.png after. Returns the last step's metrics."""
+    distributed.initialize_from_env()  # before anything below starts a JAX backend
+    if not (is_default_toy_run(cfg) and jax.process_count() == 1):
+        return loop.train(cfg, workdir)
+    fresh = not (Path(workdir) / "checkpoints").is_dir()
+    cal = None
+    if fresh and cfg.task.toy.calibrate:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        cal = before_rl(cfg, workdir, build.load_model(cfg))
+    cfg = with_hint_source(cfg, workdir, cal)
+    metrics = loop.train(cfg, workdir)
+    after_rl(cfg, workdir)
+    return metrics
+
+
+def is_default_toy_run(cfg) -> bool:
+    return cfg.task.name == "toy" and not cfg.model.path
+
+
+def before_rl(cfg, workdir: str | Path, model) -> dict | None:
+    """The calibration gate on a fresh run (printed, and saved as calibration.json)."""
+    if not (is_default_toy_run(cfg) and cfg.task.toy.calibrate):
+        return None
+    workdir = Path(workdir)
+    print("calibration (step 0 policy on the RL prompt distribution):", flush=True)
+    cal = calibrate.calibrate(model, spec=spec(cfg),
+                                  problems_per_length=cfg.task.toy.calibrate_per_length,
+                                  group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
+                                  seed=cfg.train.seed, method=cfg.rl.method,
+                                  hint_source=cfg.hint.source)
+    print(calibrate.format_calibration(cal), flush=True)
+    if not cal["gate"]["passed"]:
+        print("calibration gate: NOT passed (see above); continuing with RL anyway", flush=True)
+    (workdir / "calibration.json").write_text(json.dumps(cal, indent=1, default=str))
+    return cal
+
+
+def with_hint_source(cfg, workdir: str | Path, cal: dict | None = None):
+    """`cfg` with `hint.source: auto` resolved (`calibrate.pick_hint_source`) by the
+    calibration of this run (`cal`, else the run folder's calibration.json, so a resumed run
+    keeps its choice); printed. Other sources are returned unchanged."""
+    if cfg.hint.source != "auto":
+        return cfg
+    printed = cal is not None  # the gate's notes name it
+    cal_file = Path(workdir) / "calibration.json"
+    if cal is None and cal_file.is_file():
+        cal = json.loads(cal_file.read_text())
+    if cal is not None and "hint_source" in cal:
+        source, why = cal["hint_source"], cal["hint_source_reason"]
+    else:
+        source, why = calibrate.pick_hint_source("auto", None)
+    if not printed:
+        print(f"hint source: {source} ({why})", flush=True)
+    return config_lib.from_dict({**config_lib.to_dict(cfg),
+                                 "hint": {**config_lib.to_dict(cfg.hint), "source": source}})
+
+
+def accuracy_by_length(model, cfg, *, seed: int = 0) -> dict[int, float]:
+    """No-hint pass rate per length on held-out problems (`task.toy.eval_per_length` each, the
+    same set for every run; `task.toy.eval_samples` samples each at the rollout temperature, from
+    a key of `seed`)."""
+    t = cfg.task.toy
+    problems = toy.make_problems(t.eval_per_length, spec(cfg), seed=EVAL_SEED, per_length=True)
+    rewards, _ = calibrate.sample_rewards(
+        model, problems, group_size=t.eval_samples, temperature=cfg.rl.temperature,
+        key=jax.random.PRNGKey(77 + seed))
+    ks = np.asarray([p.k for p in problems])
+    return {int(k): float(rewards[ks == k].mean()) for k in sorted(set(ks.tolist()))}
+
+
+def after_rl(cfg, workdir: str | Path, *, start_model=None) -> str | None:
+    """No-hint accuracy by difficulty of the SFT start and of the trained policy, then
+    summary.md / summary.png / eval_by_length.json in the run folder. Returns the markdown."""
+    if not (is_default_toy_run(cfg) and cfg.task.toy.report):
+        return None
+    workdir = Path(workdir)
+    t0 = time.perf_counter()
+    print("evaluation: no-hint pass rate by difficulty (held-out problems)", flush=True)
+    _, trained, step = restore.restore_policy(workdir)
+    start = start_model if start_model is not None else build.load_model(cfg)
+    accuracy = {"SFT start": accuracy_by_length(start, cfg, seed=cfg.train.seed),
+                f"after {cfg.rl.method} ({step} steps)": accuracy_by_length(
+                    trained, cfg, seed=cfg.train.seed)}
+    (workdir / "eval_by_length.json").write_text(json.dumps(accuracy, indent=1))
+    rows = metrics_lib.read_metrics(workdir)
+    cal_file = workdir / "calibration.json"
+    extra = ""
+    if cal_file.is_file():
+        cal = json.loads(cal_file.read_text())
+        extra = "## Calibration at step 0\n\n" + "\n".join(
+            f"- {n}" for n in cal.get("gate_notes", []))
+    text = report.write_summary(
+        workdir, rows, accuracy, extra=extra,
+        title=f"toy task, {cfg.rl.method}, {step} RL steps, seed {cfg.train.seed}")
+    print(text, flush=True)
+    print(f"wrote {workdir / 'summary.md'} and {workdir / 'summary.png'} "
+          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    return text

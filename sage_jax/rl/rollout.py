@@ -1,0 +1,335 @@
+"""One rollout phase: sample -> reward -> collapse -> hints -> re-sample, for every method.
+
+Methods (`METHODS`, one small function each over the same pieces):
+  grpo        one un-hinted group per prompt.
+  sage        un-hinted groups; then for level 1, 2, 3 only the still-unresolved prompts that have a
+              hint at that level get a fresh hinted group, which replaces their whole group.
+  resample    the same escalation budget as sage (up to three fresh groups for unresolved
+              prompts) but without hints: separates the hint's effect from extra samples.
+  sage_light  a per-prompt level carried across epochs picks the hint before a single pass.
+
+Rollouts stay shaped [B, G, ...]; a group is replaced whole, never mixed. Settings come from the
+run's `cfg.rl` (sampling, collapse) and `cfg.hint` (the hint source and SAGE-light levels). The
+sampler and the scorer are passed in, so tests can drive this with a scripted policy double.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from sage_jax.core import sage
+from sage_jax.core.sage import COLLAPSE_ALL_ONE, COLLAPSE_ALL_ZERO, COLLAPSE_MIXED
+from sage_jax.rl.types import GroupSampler, Rollout, SageTables, Samples, Scorer
+from sage_jax.tasks.base import Task
+from sage_jax.tasks.data import Example
+
+
+
+
+# ---- hint payloads from the source -----------------------------------------------------------
+
+class HintSource:
+    """Hint payloads {level: hint} for a step's rows, from `hint.source`: the data's `hint`
+    column, the task's reference rule, or written by the policy (online: rewritten every
+    `hint.refresh_every` steps; offline: once) and kept in the SAGE tables. Counts write
+    failures and over-long requests, and the time it spends."""
+
+    def __init__(self, hint, *, examples, dataset_ids, task: Task, sampler: GroupSampler,
+                 tables: SageTables, step: int):
+        self.hint, self.examples, self.ids = hint, examples, dataset_ids
+        self.task, self.sampler, self.tables, self.step = task, sampler, tables, step
+        self.source = "online" if hint.source == "auto" else hint.source  # auto: the toy job
+        self.payloads: dict[int, dict[int, str]] = {}
+        self.write_failed = self.too_long = 0
+        self.seconds = 0.0
+
+    def has_solution(self, i: int) -> bool:
+        """Whether row i can get a hint at all (a solution, or the data's hint column)."""
+        return bool(self.examples[i].solution) or self.source == "column"
+
+    def get(self, rows: Sequence[int]) -> dict[int, dict[int, str]]:
+        """Fills `payloads` for `rows` (a row with nothing to hint from gets no entry or an
+        empty one); returns it."""
+        t0 = time.perf_counter()
+        to_write = []
+        for i in rows:
+            ex = self.examples[i]
+            if self.source == "column":
+                self.payloads[i] = _hint_payload_from_column(ex.hint)
+            elif self.source == "reference":
+                self.payloads[i] = (self.task.reference_hints(ex.problem, ex.solution, ex.answer)
+                                    if ex.solution else {})
+            elif self._cached_is_fresh(int(self.ids[i])):
+                self.payloads[i] = self.tables.cached_hints(int(self.ids[i]))
+            elif ex.solution:
+                to_write.append(i)
+        if to_write:
+            self._write(to_write)
+        self.seconds += time.perf_counter() - t0
+        return self.payloads
+
+    def _cached_is_fresh(self, d: int) -> bool:
+        every = self.hint.refresh_every
+        return bool(self.tables.cached_hints(d)) and self.tables.hint_step[d] >= 0 and (
+            self.source == "offline" or every == 0 or self.step - self.tables.hint_step[d] < every)
+
+    def _write(self, rows: list[int]) -> None:
+        written, counts = write_hints(rows, self.examples, self.task, self.sampler, self.hint,
+                                      dataset_ids=self.ids)
+        self.write_failed += counts["failed"]
+        self.too_long += counts["too_long"]
+        for i in rows:
+            d = int(self.ids[i])
+            if i in written:
+                self.tables.store_hints(d, written[i], self.step)
+                self.payloads[i] = written[i]
+            else:  # keep the last good payload, if any
+                self.payloads[i] = self.tables.cached_hints(d)
+
+
+def _hint_payload_from_column(text: str | None) -> dict[int, str]:
+    if not text:
+        return {}
+    parsed = sage.parse_hints(text)
+    return parsed if parsed else {lvl: text.strip() for lvl in sage.LEVELS}
+
+
+def write_hints(indices: Sequence[int], examples: Sequence[Example], task: Task,
+                sampler: GroupSampler, hint, *, dataset_ids: np.ndarray
+                ) -> tuple[dict[int, dict[int, str]], dict[str, int]]:
+    """The policy writes a hint payload for each row in `indices` (batched, with `hint.retries`
+    retries, at `hint.temperature`).
+
+    Returns {row: {level: hint}} for rows whose payload parsed, and counts of rows whose request
+    was too long or whose output never parsed.
+    """
+    out: dict[int, dict[int, str]] = {}
+    todo, too_long = [], 0
+    requests = {}
+    for i in indices:
+        ex = examples[i]
+        req = task.hint_request(ex.problem, ex.solution or "")
+        if len(req) > hint.max_request_tokens:
+            too_long += 1
+            continue
+        requests[i] = req
+        todo.append(i)
+    for attempt in range(hint.retries + 1):
+        if not todo:
+            break
+        got = sampler([requests[i] for i in todo], prompt_ids=dataset_ids[todo],
+                      salt=1000 + attempt, num_samples=1, max_new_tokens=hint.max_new_tokens,
+                      temperature=hint.temperature, top_p=1.0, top_k=0)
+        failed = []
+        for j, i in enumerate(todo):
+            text = task.decode(got.tokens[j, 0, :got.lengths[j, 0]])
+            hints = sage.parse_hints(text, ground_truth=examples[i].answer)
+            if hints:
+                out[i] = hints
+            else:
+                failed.append(i)
+        todo = failed
+    return out, {"too_long": too_long, "failed": len(todo)}
+
+
+# ---- the groups of one step ------------------------------------------------------------------
+
+def _score(samples: Samples, rows: Sequence[int], examples, task: Task, scorer: Scorer,
+           hints: dict[int, str | None]):
+    """Rewards [rows, G] and texts of the samples; `hints[i]`: the hint row i was asked with."""
+    texts = [[task.decode(samples.tokens[j, g, :samples.lengths[j, g]])
+              for g in range(samples.tokens.shape[1])] for j in range(len(rows))]
+    flat = [t for row in texts for t in row]
+    gts = [task.reference(examples[i].problem, examples[i].answer, hints.get(i)) for i in rows
+           for _ in range(samples.tokens.shape[1])]
+    scores, _ = scorer(flat, gts)
+    return np.asarray(scores, np.float32).reshape(len(rows), -1), texts
+
+
+def _fit(samples: Samples, t: int) -> Samples:
+    """Pads or crops the answer axis to t tokens."""
+    pad = t - samples.tokens.shape[-1]
+    if pad == 0:
+        return samples
+    if pad < 0:
+        return Samples(samples.tokens[..., :t], np.minimum(samples.lengths, t),
+                       samples.logprobs[..., :t])
+    w = ((0, 0), (0, 0), (0, pad))
+    return Samples(np.pad(samples.tokens, w), samples.lengths, np.pad(samples.logprobs, w))
+
+
+@dataclasses.dataclass
+class _Step:
+    """One step's groups while they are sampled, re-sampled and hinted (host arrays [B, ...])."""
+
+    examples: Sequence[Example]
+    ids: np.ndarray  # dataset ids [B]
+    task: Task
+    sampler: GroupSampler
+    scorer: Scorer
+    rl: object  # cfg.rl
+    plain: list[list[int]]
+    prompts: list[list[int]]
+    level: np.ndarray  # int8 [B]
+    rnd: np.ndarray  # int8 [B]
+    hints: list[str | None]
+    metrics: dict[str, float]
+    samples: Samples | None = None
+    rewards: np.ndarray | None = None
+    texts: list[list[str]] | None = None
+    collapse: np.ndarray | None = None
+    resample_s: float = 0.0
+
+    @classmethod
+    def start(cls, examples, ids, *, task, sampler, scorer, rl) -> "_Step":
+        b = len(examples)
+        plain = [task.answer_prompt(ex.problem) for ex in examples]
+        return cls(examples, np.asarray(ids), task, sampler, scorer, rl, plain, list(plain),
+                   np.zeros(b, np.int8), np.zeros(b, np.int8), [None] * b, {})
+
+    def sample(self, rows: Sequence[int], prompts: dict | list, salt: int) -> Samples:
+        rl = self.rl
+        got = self.sampler([prompts[i] for i in rows], prompt_ids=self.ids[np.asarray(rows)],
+                           salt=salt, num_samples=rl.group_size,
+                           max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                           top_p=rl.top_p, top_k=rl.top_k)
+        return _fit(got, rl.max_new_tokens)
+
+    def status(self) -> dict[str, np.ndarray]:
+        return sage.group_status(self.rewards, collapse_std=self.rl.collapse_std,
+                                 success_threshold=self.rl.success_threshold)
+
+    def unresolved(self) -> list[int]:
+        resolved = self.status()["resolved"]
+        return [i for i in range(len(self.examples)) if not resolved[i]]
+
+    def replace(self, i: int, got: Samples, j: int, rewards, texts, prompt, rnd: int) -> None:
+        """Row i's whole group becomes row j of `got`."""
+        self.samples.tokens[i], self.samples.lengths[i] = got.tokens[j], got.lengths[j]
+        self.samples.logprobs[i] = got.logprobs[j]
+        self.rewards[i], self.texts[i], self.rnd[i], self.prompts[i] = (
+            rewards[j], texts[j], rnd, prompt)
+
+
+def first_pass(g: _Step) -> None:
+    """One group per prompt with its current context; records the first-pass status."""
+    rows = list(range(len(g.examples)))
+    g.samples = g.sample(rows, g.prompts, salt=0)
+    g.rewards, g.texts = _score(g.samples, rows, g.examples, g.task, g.scorer,
+                                dict(enumerate(g.hints)))
+    st = g.status()
+    g.metrics["collapse/frac_all_zero"] = float(st["all_zero"].mean())
+    g.metrics["collapse/all_zero_groups"] = float(st["all_zero"].sum())
+    g.metrics["collapse/frac_all_one"] = float(st["all_one"].mean())
+    g.collapse = np.where(st["all_zero"], COLLAPSE_ALL_ZERO, np.where(
+        st["all_one"], COLLAPSE_ALL_ONE, COLLAPSE_MIXED)).astype(np.int8)
+
+
+def escalate(g: _Step, lvl: int, hint_of: Callable[[int], str | None] | None) -> None:
+    """Round `lvl`: every still-unresolved prompt (with a level-`lvl` hint, when `hint_of` is
+    given) gets a fresh group, which replaces its whole group."""
+    sel = [i for i in g.unresolved() if hint_of is None or hint_of(i) is not None]
+    if not sel:
+        return
+    t0 = time.perf_counter()
+    hint = {i: None if hint_of is None else hint_of(i) for i in sel}
+    ctx = {i: g.plain[i] if hint[i] is None else g.task.hinted_prompt(g.examples[i].problem,
+                                                                        hint[i]) for i in sel}
+    got = g.sample(sel, ctx, salt=lvl)
+    rewards, texts = _score(got, sel, g.examples, g.task, g.scorer, hint)
+    for j, i in enumerate(sel):
+        g.replace(i, got, j, rewards, texts, ctx[i], lvl)
+        if hint[i] is not None:
+            g.level[i], g.hints[i] = lvl, hint[i]
+    g.metrics[f"hint/used_level_{lvl}"] = float(len(sel))
+    g.resample_s += time.perf_counter() - t0
+
+
+# ---- the methods -----------------------------------------------------------------------------
+
+def _grpo(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
+    first_pass(g)
+
+
+def _resample(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
+    first_pass(g)
+    for lvl in range(1, hint.max_level + 1):
+        escalate(g, lvl, None)
+
+
+def _sage(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
+    first_pass(g)
+    need = [i for i in g.unresolved() if source.has_solution(i)]
+    g.metrics["hint/prompts_needing_hint"] = float(len(need))
+    payloads = source.get(need)
+    for lvl in range(1, hint.max_level + 1):
+        escalate(g, lvl, lambda i, lvl=lvl: payloads.get(i, {}).get(lvl))
+
+
+def _sage_light(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
+    ids = g.ids
+    want = sage.sage_light_levels(tables.hint_level[ids], tables.last_accuracy[ids],
+                                  tables.seen[ids], low=hint.low, high=hint.high,
+                                  max_level=hint.max_level)
+    need = [i for i in range(len(ids)) if want[i] > 0]
+    g.metrics["hint/prompts_needing_hint"] = float(len(need))
+    payloads = source.get(need)
+    for i in need:
+        usable = [lvl for lvl in payloads.get(i, {}) if lvl <= want[i]]
+        if usable:  # the wanted level, or the strongest one below it that exists
+            lvl = max(usable)
+            g.level[i], g.hints[i] = lvl, payloads[i][lvl]
+            g.prompts[i] = g.task.hinted_prompt(g.examples[i].problem, payloads[i][lvl])
+    tables.hint_level[ids] = want
+    first_pass(g)
+    for lvl in sage.LEVELS:
+        g.metrics[f"hint/used_level_{lvl}"] = float((g.level == lvl).sum())
+
+
+METHODS = {"grpo": _grpo, "resample": _resample, "sage": _sage, "sage_light": _sage_light}
+
+
+# ---- one step ----------------------------------------------------------------------------------
+
+def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
+        sampler: GroupSampler, scorer: Scorer, rl, hint, tables: SageTables,
+        step: int) -> Rollout:
+    """Samples, scores and (per `rl.method`) hints one step of prompts, with the settings of
+    `rl` (cfg.rl) and `hint` (cfg.hint); updates `tables` in place."""
+    g = _Step.start(examples, dataset_ids, task=task, sampler=sampler, scorer=scorer, rl=rl)
+    source = HintSource(hint, examples=examples, dataset_ids=g.ids, task=task, sampler=sampler,
+                        tables=tables, step=step)
+    METHODS[rl.method](g, source, tables, hint)
+    after = g.status()
+    _record(g, source, after, tables)
+    return Rollout(prompts=g.prompts, plain_prompts=g.plain, samples=g.samples,
+                   rewards=g.rewards, level=g.level, collapse=g.collapse, round=g.rnd,
+                   hints=g.hints, texts=g.texts, metrics=g.metrics)
+
+
+def _record(g: _Step, source: HintSource, after: dict, tables: SageTables) -> None:
+    """The step's hint and collapse metrics, and the per-prompt tables (accuracy of the group
+    that is trained on, solved-ever, seen)."""
+    m = g.metrics
+    m["collapse/frac_all_zero_after"] = float(after["all_zero"].mean())
+    m["hint/rescued"] = float(((g.rnd > 0) & after["mixed"]).sum())
+    m["hint/write_failed"] = float(source.write_failed)
+    m["hint/request_too_long"] = float(source.too_long)
+    m.setdefault("hint/prompts_needing_hint", 0.0)
+    for lvl in sage.LEVELS:
+        m.setdefault(f"hint/used_level_{lvl}", 0.0)
+    for lvl in range(4):
+        at = g.level == lvl
+        m[f"hint/acc_level_{lvl}"] = float(g.rewards[at].mean()) if at.any() else float("nan")
+    ids = g.ids
+    tables.last_accuracy[ids] = (g.rewards > g.rl.success_threshold).mean(axis=1)
+    tables.ever_solved[ids] |= after["resolved"]
+    tables.seen[ids] = True
+    m["hint/frac_never_solved"] = float(
+        (tables.seen & ~tables.ever_solved).sum() / max(tables.seen.sum(), 1))
+    m["time/hint_s"] = source.seconds
+    m["time/resample_s"] = g.resample_s

@@ -1,0 +1,83 @@
+"""The contract of one RL step on the host: what the sampler returns (`Samples`), the sampler and
+scorer interfaces, the per-prompt SAGE tables, and a step's groups (`Rollout`). Rollout, batching
+and the trainer all use these; the first-pass status codes are `core.sage.COLLAPSE_*`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Protocol, Sequence
+
+import flax.struct
+import jax
+import numpy as np
+
+from sage_jax.core import sage
+
+
+class Samples(NamedTuple):
+    """Host arrays from the sampler: tokens [B, G, T], lengths [B, G], logprobs [B, G, T]."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    logprobs: np.ndarray
+
+
+class GroupSampler(Protocol):
+    def __call__(self, prompts: Sequence[Sequence[int]], *, prompt_ids: np.ndarray, salt: int,
+                 num_samples: int, max_new_tokens: int, temperature: float, top_p: float,
+                 top_k: int) -> Samples:
+        """G answers per prompt. Randomness derives from (step, prompt_ids[b], sample, salt)."""
+
+
+Scorer = Callable[[Sequence[str], Sequence[str]], "tuple[np.ndarray, dict]"]
+
+
+@flax.struct.dataclass
+class SageTables:
+    """Per-dataset-prompt SAGE arrays, all indexed by [E] (E training examples): a pytree, kept in
+    `TrainState.sage` and checkpointed with it; the trainer updates host copies in place."""
+
+    hint_level: np.ndarray  # int8: sage_light level used the last time the prompt was seen
+    last_accuracy: np.ndarray  # float32
+    seen: np.ndarray  # bool
+    ever_solved: np.ndarray  # bool
+    hint_cache: np.ndarray  # uint8 [E, 3, W]: last good payload per level (UTF-8, 0-padded)
+    hint_step: np.ndarray  # int32: step the cached payload was written (-1: none)
+
+    @classmethod
+    def empty(cls, num_prompts: int, hint_width: int = 2048) -> "SageTables":
+        m = num_prompts
+        return cls(hint_level=np.zeros(m, np.int8), last_accuracy=np.zeros(m, np.float32),
+                   seen=np.zeros(m, bool), ever_solved=np.zeros(m, bool),
+                   hint_cache=np.zeros((m, 3, hint_width), np.uint8),
+                   hint_step=np.full(m, -1, np.int32))
+
+    def host_copy(self) -> "SageTables":
+        """Writable numpy copies of the arrays (e.g. of a restored state's tables)."""
+        return jax.tree.map(np.array, self)
+
+    def cached_hints(self, i: int) -> dict[int, str]:
+        out = {lvl: sage.decode_hint(self.hint_cache[i, lvl - 1]) for lvl in sage.LEVELS}
+        return {k: v for k, v in out.items() if v}
+
+    def store_hints(self, i: int, hints: dict[int, str], step: int) -> None:
+        width = self.hint_cache.shape[-1]
+        for lvl in sage.LEVELS:
+            self.hint_cache[i, lvl - 1] = sage.encode_hint(hints.get(lvl), width)
+        self.hint_step[i] = step
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's groups. `prompts[b]` is the context the answers were sampled with."""
+
+    prompts: list[list[int]]  # hinted prompt for hinted groups
+    plain_prompts: list[list[int]]  # the bare answer prompt of every row
+    samples: Samples
+    rewards: np.ndarray  # float32 [B, G]
+    level: np.ndarray  # int8 [B]: hint level of the group (0: no hint)
+    collapse: np.ndarray  # int8 [B]: first-pass status, sage.COLLAPSE_*
+    round: np.ndarray  # int8 [B]: 0 first pass, k = k-th re-sample
+    hints: list[str | None]
+    texts: list[list[str]]  # decoded answers [B][G]
+    metrics: dict[str, float]

@@ -1,0 +1,53 @@
+"""A run's pieces from its config: the task, the policy model at its starting point, the
+training examples and the one initial `TrainState` (parameters, optimiser, SAGE tables).
+Tasks come from `tasks.registry`; nothing here knows a task by name."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from sage_jax import config as config_lib, models
+from sage_jax.engine import update
+from sage_jax.rl.types import SageTables
+from sage_jax.tasks import data as data_lib, registry
+
+
+def load_task(cfg, model_path: str | None = None):
+    """The task of `cfg.task.name`, its prompts through the tokenizer of `model_path` (default
+    model.path) where the task uses one."""
+    return registry.plugin(cfg.task.name).make_task(cfg, model_path, None)
+
+
+def load_model(cfg) -> models.Decoder:
+    """The policy at its starting point: model.path, else the task's built-in model;
+    `model.remat` set on it."""
+    dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
+    if cfg.model.path:
+        model = models.from_hf(cfg.model.path, dtype=dtype, compute_dtype=cdtype)
+    else:
+        plugin = registry.plugin(cfg.task.name)
+        if plugin.make_model is None:
+            raise config_lib.ConfigError(f"task.name={cfg.task.name} needs model.path (a "
+                                         f"Hugging Face folder)", key="model.path")
+        model = plugin.make_model(cfg, dtype, cdtype)
+    model.remat = cfg.model.remat  # recompute each layer in the backward pass (a static flag)
+    return model
+
+
+def load_examples(cfg, task):
+    """(training examples, stats): data.train_files, else the task's built-in examples."""
+    plugin = registry.plugin(cfg.task.name)
+    if not cfg.data.train_files and plugin.examples is not None:
+        examples = plugin.examples(cfg)
+        return examples, {"examples": len(examples),
+                          "source": f"built-in {cfg.task.name} problems"}
+    return data_lib.load_examples(cfg.data,
+                                  count_tokens=lambda problem: len(task.answer_prompt(problem)))
+
+
+def initial_state(model: models.Decoder, cfg, mesh, num_examples: int):
+    """(graphdef, TrainState at step 0): the model's parameters and optimiser state placed on
+    `mesh`, and empty SAGE tables for `num_examples` training prompts."""
+    graphdef, state = update.init_train_state(model, cfg, mesh)
+    tables = SageTables.empty(num_examples, cfg.hint.cache_bytes)
+    return graphdef, state.replace(sage=tables)

@@ -1,0 +1,273 @@
+"""One training run in a run folder: data -> rollout (sample, reward, SAGE hints) -> batch ->
+jitted update, with orbax checkpoints (running it again on the same folder resumes exactly),
+metrics (console progress, metrics.jsonl, groups.jsonl, TensorBoard when installed), sample logs
+(samples.jsonl) and in-training validation. `python -m sage_jax.train` runs it inside a job
+(`sage_jax.jobs`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from sage_jax import checkpoint, config as config_lib, distributed, metrics as metrics_lib
+from sage_jax import parallel, rewards
+from sage_jax.engine import update
+from sage_jax.eval import evaluate as eval_lib
+from sage_jax.rl import batching, rollout
+from sage_jax.rl.types import Rollout
+from sage_jax.run import build
+from sage_jax.tasks import data as data_lib, registry
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. NaN loss); the last good checkpoint is kept."""
+
+
+def check_fits(cfg, mesh) -> None:
+    """Fails before any compile when the step's rows do not fit the mesh and mini-batches."""
+    rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+    _, _, micro = update.layout(rows, cfg.rl)
+    parallel.check_rows(rows, mesh, "the step's rows (rl.prompts_per_step * rl.group_size)")
+    parallel.check_rows(micro, mesh, "a micro-batch (rl.micro_batch_size)")
+
+
+def step_metrics(ro: Rollout, max_new_tokens: int, eos_ids) -> dict[str, float]:
+    """Reward and response-length metrics of one rollout."""
+    lengths = ro.samples.lengths
+    last = np.take_along_axis(ro.samples.tokens, np.maximum(lengths - 1, 0)[..., None], -1)[..., 0]
+    truncated = (lengths >= max_new_tokens) & ~np.isin(last, list(eos_ids))
+    return {"reward/mean": float(ro.rewards.mean()),
+            "response/mean_length": float(lengths.mean()),
+            "response/clipped_frac": float(truncated.mean())}
+
+
+def group_record(ro: Rollout, dataset_ids, success_threshold: float = 0.0
+                 ) -> dict[str, list]:
+    """Per prompt of the step: dataset id, first-pass status (`core.sage.COLLAPSE_*`), hint level
+    and re-sample round of the trained group, and whether the trained group solved it."""
+    return {"id": [int(i) for i in dataset_ids], "collapse": ro.collapse.tolist(),
+            "level": ro.level.tolist(), "round": ro.round.tolist(),
+            "solved": (ro.rewards.max(axis=1) > success_threshold).astype(int).tolist()}
+
+
+def sample_records(ro: Rollout, examples, task, limit: int = 4) -> list[dict]:
+    out = []
+    for b in range(min(limit, len(examples))):
+        out.append({"problem": examples[b].problem, "answer": examples[b].answer,
+                    "level": int(ro.level[b]), "hint": ro.hints[b],
+                    "prompt": task.decode(ro.prompts[b]),
+                    "responses": ro.texts[b], "rewards": ro.rewards[b].tolist()})
+    return out
+
+
+class _Stop:
+    """SIGINT/SIGTERM: finish the current step, save a checkpoint, exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\nsignal {signum}: saving a checkpoint after this step, then exiting",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a training run holds between steps."""
+
+    cfg: object
+    workdir: Path
+    mesh: object
+    task: object
+    examples: list
+    graphdef: object
+    state: object  # TrainState (its SAGE tables are `tables` while the loop runs)
+    tables: object  # host copies of state.sage, updated in place by the rollout
+    ckpt: checkpoint.Checkpointer
+    step_fn: object
+    scorer: distributed.ShardedScorer
+    logger: metrics_lib.MetricsLogger
+    eval_problems: dict | None
+    last_saved: int = 0
+
+    def save(self, step: int) -> None:
+        if step != self.last_saved or self.ckpt.latest_step() is None:
+            self.ckpt.save(step, self.state.replace(sage=self.tables))
+            self.last_saved = step
+
+    def close(self) -> None:
+        self.logger.close()
+        self.scorer.close()
+        self.ckpt.close()
+
+
+def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
+    """Runs (or resumes) training in `workdir`; returns the last step's metrics.
+
+    `stop_after`: stop (with a checkpoint) once this many steps are done in total.
+    """
+    run = _start(cfg, Path(workdir))
+    end = cfg.train.steps if stop_after is None else min(cfg.train.steps, stop_after)
+    metrics: dict = {}
+    try:
+        with _Stop() as stop:
+            for step in range(int(run.state.step), end):
+                metrics = _step(run, step)
+                done = step + 1
+                stopping = distributed.any_process(stop.requested)  # all hosts stop together
+                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stopping:
+                    run.save(done)
+                if stopping:
+                    if distributed.is_main():
+                        print(f"stopped at step {done}; re-run the same command to resume",
+                              flush=True)
+                    return metrics
+            run.save(int(run.state.step))
+    finally:
+        run.close()
+    return metrics
+
+
+def _start(cfg, workdir: Path) -> _Run:
+    """The run's pieces, resumed from the latest checkpoint in `workdir` when there is one."""
+    distributed.initialize_from_env()  # multi-host: before anything starts a JAX backend
+    distributed.check_same({"workdir": str(workdir), "config": config_lib.to_yaml(cfg)})
+    workdir.mkdir(parents=True, exist_ok=True)
+    is_main = distributed.is_main()
+    if is_main:
+        print(config_lib.to_yaml(cfg))
+        config_lib.save_config(cfg, workdir / "config.yaml")
+    mesh = parallel.make_mesh(cfg.mesh)
+    check_fits(cfg, mesh)
+    task = build.load_task(cfg)
+    model = build.load_model(cfg)
+    examples, data_stats = build.load_examples(cfg, task)
+    if is_main:
+        print(f"data: {data_stats}; mesh: {dict(mesh.shape)}; model: {model.cfg.family} "
+              f"{model.cfg.num_params() / 1e6:.2f}M params; processes: {jax.process_count()}",
+              flush=True)
+    graphdef, state = build.initial_state(model, cfg, mesh, len(examples))
+    if is_main:
+        print(f"per device: params {_device_mib(state.params):.1f} MiB, optimiser "
+              f"{_device_mib(state.opt_state):.1f} MiB (mesh {dict(mesh.shape)})", flush=True)
+    ckpt = checkpoint.Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, _ = ckpt.restore(latest, target=state)
+        if is_main:
+            print(f"resumed from {ckpt.step_dir(latest)}", flush=True)
+    start = int(state.step)
+    scorer = distributed.ShardedScorer(rewards.RewardPool(  # each process scores its share
+        task.reward_fn, timeout_s=cfg.rl.reward_timeout_s))
+    logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.train.steps, is_main=is_main,
+                                       resume_step=start)
+    return _Run(cfg=cfg, workdir=workdir, mesh=mesh, task=task, examples=examples,
+                graphdef=graphdef, state=state, tables=state.sage.host_copy(), ckpt=ckpt,
+                step_fn=update.make_train_step(graphdef, cfg, mesh), scorer=scorer,
+                logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
+                last_saved=start)
+
+
+def _step(run: _Run, step: int) -> dict:
+    """One RL step (rollout, batch, update; validation when due), logged; returns its metrics."""
+    cfg, task, mesh = run.cfg, run.task, run.mesh
+    t_step = time.perf_counter()
+    idx, position = data_lib.next_batch_indices(
+        int(run.state.data_position), cfg.rl.prompts_per_step, len(run.examples),
+        cfg.train.seed, cfg.data.shuffle)
+    batch_examples = [run.examples[i] for i in idx]
+    sampler = batching.PolicySampler(run.graphdef, run.state.params, key=run.state.rng,
+                                     step=step, eos_ids=task.eos_ids, pad_id=task.pad_id,
+                                     mesh=mesh)
+    timer = metrics_lib.Timer()
+    ro = rollout.run(batch_examples, idx, task=task, sampler=_timed(sampler, timer, "sample"),
+                     scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
+                     hint=cfg.hint, tables=run.tables, step=step)
+    batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
+                                 adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id)
+    with timer("update"):
+        n_rows = len(batch["advantages_N"])
+        mine = parallel.local_rows(n_rows, mesh)  # this process's rows
+        state, upd = run.step_fn(run.state, parallel.shard_batch(
+            {k: v[mine] for k, v in batch.items()}, mesh, global_rows=n_rows))
+        upd = jax.device_get(upd)
+    run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
+    _check_finite(upd, step, run.last_saved, run.workdir)
+    elapsed = time.perf_counter() - t_step
+    metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics,
+               **{k: float(v) for k, v in upd.items()}, **timer.metrics(),
+               "time/step_s": elapsed, "tokens/sampled": sampler.generated_tokens,
+               "throughput/tokens_per_s": sampler.generated_tokens / elapsed}
+    if run.eval_problems and (step + 1) % cfg.eval.every == 0:
+        metrics.update(run_eval(cfg, run.graphdef, run.state.params, task, run.eval_problems,
+                                run.scorer))
+    run.logger.log(step + 1, metrics)
+    run.logger.log_groups(step + 1, group_record(ro, idx, cfg.rl.success_threshold))
+    if cfg.train.samples_every and (step + 1) % cfg.train.samples_every == 0:
+        run.logger.log_samples(step + 1, sample_records(ro, batch_examples, task))
+    return metrics
+
+
+def load_eval_problems(cfg) -> dict:
+    """The run's validation problems: its task's built-in ones, else cfg.eval.benchmarks."""
+    builtin = registry.plugin(cfg.task.name).eval_problems
+    if builtin is not None:
+        return builtin(cfg.eval.limit)
+    return eval_lib.load_problems(list(cfg.eval.benchmarks), cfg.eval.data_dir,
+                                  limit=cfg.eval.limit)
+
+
+def run_eval(cfg, graphdef, params, task, problems, scorer) -> dict[str, float]:
+    """No-hint validation: `eval/<benchmark>/avg@k` (and pass@k) with a fixed key."""
+    e = cfg.eval
+    result = eval_lib.evaluate_problems(
+        graphdef, params, task, problems, k=e.k, temperature=e.temperature, top_p=e.top_p,
+        max_new_tokens=e.max_new_tokens, key=jax.random.PRNGKey(cfg.train.seed + 7),
+        scorer=scorer.score)
+    return eval_lib.eval_metrics(result)
+
+
+def _device_mib(tree) -> float:
+    """MiB that the first local device holds of the arrays of `tree`."""
+    dev = jax.local_devices()[0]
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            total += sum(s.data.nbytes for s in x.addressable_shards if s.device == dev)
+    return total / 2**20
+
+
+def _timed(fn, timer, name):
+    def call(*args, **kwargs):
+        with timer(name):
+            return fn(*args, **kwargs)
+    return call
+
+
+def _check_finite(upd, step, last_saved, workdir):
+    bad = [k for k in ("loss", "grad_norm") if k in upd and not math.isfinite(float(upd[k]))]
+    if bad:
+        raise TrainingError(
+            f"step {step + 1}: non-finite {', '.join(bad)} ({ {k: float(upd[k]) for k in bad} }); "
+            f"stopping without saving. The last good checkpoint (step {last_saved}) in "
+            f"{workdir}/checkpoints is intact: lower optim.lr or check the data, then re-run.")

@@ -1,0 +1,100 @@
+"""The toy model's SFT warm start: `warm_started_model(cfg)` is the toy task's built-in model
+(what `run.build.load_model` returns with no model.path and task.toy.warm_start), the toy model
+after `calibrate.warm_start`. It comes from, in order:
+- the checkpoint shipped with the package (`PACKAGED`, made by `python -m sage_jax.sft --out
+  sage_jax/tasks/toy/toy_sft`), when it was made with the run's warm-start settings;
+- the cache, a Hugging Face folder under `task.toy.cache_dir` (default $SAGE_JAX_CACHE or
+  ~/.cache/sage_jax), keyed by everything that shapes the warm start;
+- a fresh SFT, then cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from sage_jax import models
+from sage_jax.tasks.toy import task as toy
+from sage_jax.tasks.toy import calibrate
+
+DESIGN_VERSION = 5  # bump when the toy task's formats or the SFT recipe change
+PACKAGED = Path(__file__).with_name("toy_sft")  # the shipped warm start (see module docstring)
+
+
+def spec(cfg) -> toy.ToySpec:
+    """The RL / evaluation lengths of the run."""
+    return toy.ToySpec(cfg.task.toy.min_steps, cfg.task.toy.max_steps)
+
+
+def cache_root(cfg) -> Path:
+    root = cfg.task.toy.cache_dir or os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax"
+    return Path(root).expanduser()
+
+
+def warm_start_settings(cfg) -> dict:
+    t = cfg.task.toy
+    return {"design": DESIGN_VERSION, "seed": t.sft_seed, "sft_steps": t.sft_steps,
+            "target_step_acc": t.sft_target_step_acc, "sft_max_steps": t.max_steps,
+            "eval_spec": [t.min_steps, t.max_steps], "defaults": calibrate.SFT_DEFAULTS,
+            "model": toy.toy_model_config().to_hf_dict()}
+
+
+def cache_path(cfg) -> Path:
+    blob = json.dumps(warm_start_settings(cfg), sort_keys=True, default=str).encode()
+    return cache_root(cfg) / f"toy_sft-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def packaged_settings() -> dict | None:
+    """The warm-start settings the shipped checkpoint was made with (None: none shipped)."""
+    meta = PACKAGED / "sft.json"
+    return json.loads(meta.read_text())["settings"] if meta.is_file() else None
+
+
+def _same(a: dict, b: dict) -> bool:
+    norm = lambda d: json.loads(json.dumps(d, sort_keys=True, default=str))  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
+    """The SFT warm start of the toy model (shipped, cached, or trained now and cached)."""
+    shipped = packaged_settings()
+    if shipped is not None and _same(shipped, warm_start_settings(cfg)):
+        progress(f"warm start: the shipped SFT model {PACKAGED}")
+        return models.from_hf(PACKAGED, dtype=dtype, compute_dtype=compute_dtype)
+    path = cache_path(cfg)
+    if (path / "config.json").is_file():
+        progress(f"warm start: cached SFT model {path}")
+        return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model = train_warm_start(cfg, tmp, progress=progress)
+    if path.exists():  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    if dtype is not None or compute_dtype is not None:
+        return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype)
+    return model
+
+
+def train_warm_start(cfg, out: str | Path, *, progress=print):
+    """SFT of a fresh toy model with the run's warm-start settings, saved to `out` as a Hugging
+    Face folder with `sft.json` (the settings, steps, time, accuracy curve). Returns the model."""
+    t = cfg.task.toy
+    progress(f"warm start: SFT of the toy model (at most {t.sft_steps} steps, until single-step "
+             f"accuracy {t.sft_target_step_acc:.0%}); saved in {out}")
+    model, result = calibrate.warm_start(
+        seed=t.sft_seed, steps=t.sft_steps, target_step_acc=t.sft_target_step_acc,
+        spec=toy.ToySpec(1, t.max_steps), eval_spec=spec(cfg), progress=progress)
+    last = result.evals[-1][1] if result.evals else {}
+    progress(f"warm start: {result.steps} SFT steps in {result.seconds:.0f}s, single-step "
+             f"accuracy {last.get('step_acc', float('nan')):.3f}")
+    out = Path(out)
+    models.to_hf(model, out)
+    (out / "sft.json").write_text(json.dumps(
+        {"settings": warm_start_settings(cfg), "steps": result.steps,
+         "seconds": result.seconds, "evals": result.evals, "losses": result.losses[-50:]},
+        default=float, indent=1))
+    return model

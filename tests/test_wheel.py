@@ -1,0 +1,80 @@
+"""The package works installed from a wheel, away from the checkout: its configs and the toy
+warm start ship inside it, so `python -m sage_jax.train` runs the default job from any folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _sources(dst: Path) -> Path:
+    """A copy of the package's sources (what git tracks), so the build writes nothing here."""
+    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "sage_jax"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        (dst / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / f, dst / f)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(python of a fresh venv with only the wheel installed into it, a folder outside the
+    checkout). The venv sees this environment's dependencies through a .pth file, so nothing is
+    downloaded; sage_jax itself comes from the wheel alone."""
+    base = tmp_path_factory.mktemp("wheel")
+    src = _sources(base / "src")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(base / "dist"), str(src)], check=True)
+    wheel = next((base / "dist").glob("sage_jax-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "sage_jax/configs/toy.yaml" in names
+    assert "sage_jax/tasks/toy/toy_sft/model.safetensors" in names
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (Path(purelib) / "deps.pth").write_text("\n".join(deps) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    purelib, str(wheel)], check=True)
+    work = base / "elsewhere"
+    work.mkdir()
+    return python, work
+
+
+def _run(installed, *args, timeout=600):
+    python, work = installed
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user has
+    return subprocess.run([str(python), "-m", *args], cwd=work, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_the_installed_package_is_the_wheel(installed):
+    got = _run(installed, "sage_jax.train", "--help")
+    assert got.returncode == 0, got.stderr
+    assert "python -m sage_jax.train" in got.stdout
+    where = subprocess.run([str(installed[0]), "-c", "import sage_jax; print(sage_jax.__file__)"],
+                           cwd=installed[1], capture_output=True, text=True, check=True)
+    assert str(REPO) not in where.stdout and "site-packages" in where.stdout
+
+
+def test_a_one_step_toy_run_from_an_installed_wheel(installed):
+    got = _run(installed, "sage_jax.train", "--workdir", "run", "train.steps=1",
+               "task.toy.calibrate=false", "task.toy.report=false", "rl.prompts_per_step=2",
+               "rl.group_size=2", "rl.method=grpo", "eval.every=0", "train.samples_every=0")
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "warm start: the shipped SFT model" in got.stdout
+    assert (installed[1] / "run" / "checkpoints" / "1").is_dir()
+    assert (installed[1] / "run" / "metrics.jsonl").read_text().count("\n") == 1
