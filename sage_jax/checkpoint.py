@@ -30,19 +30,32 @@ directories; each process writes its own shards). This module adds no barriers o
 
 Typed PRNG keys (``jax.random.key``) are stored as their raw ``key_data`` (uint32) and re-wrapped
 with the target's key implementation on restore, so the PRNG stream resumes exactly.
+
+Corruption (a truncated copy, a disk error, a flipped bit)
+  * When a step is committed, the primary process writes ``<step>/sage_checksums.json``: the size
+    and CRC-32 of every file of the step. `verify` compares them, so a flipped byte that still
+    parses is caught, not only the files that orbax / TensorStore fail to read.
+  * `restore_latest_good` tries the newest step first; a step that fails `verify` or whose
+    arrays do not read is moved aside to ``<step>.corrupt`` (never deleted) with one line saying
+    why, and the next older step is tried. A step that does not fit the target (another config)
+    is a `CheckpointMismatchError`, never moved. `set_aside_after(n)` moves the steps after n to
+    ``<step>.superseded`` (resuming from a chosen step).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy as ocp_preservation
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointMismatchError", "COMMIT_FILE"]
@@ -54,6 +67,7 @@ EXTRA_ITEM = "extra"
 # The marker orbax writes into a step directory once the step is completely written.
 COMMIT_FILE = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX
+CHECKSUM_FILE = "sage_checksums.json"  # sizes and CRC-32s of a committed step's files
 _MAX_LISTED = 8
 
 
@@ -177,6 +191,26 @@ def _is_empty_node(v: Any) -> bool:
     return isinstance(v, (dict, list, tuple)) and len(v) == 0
 
 
+def _one_line(text: str, limit: int = 200) -> str:
+    """The first line of an error message, at most `limit` characters."""
+    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _file_sums(step_dir: Path) -> dict[str, list[int]]:
+    """{relative path: [size, crc32]} of every file of a step directory but the checksum file."""
+    out = {}
+    for f in sorted(step_dir.rglob("*")):
+        if not f.is_file() or f.name == CHECKSUM_FILE:
+            continue
+        crc = 0
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        out[str(f.relative_to(step_dir))] = [f.stat().st_size, crc]
+    return out
+
+
 # ----------------------------------------------------------------------------- the checkpointer
 
 
@@ -189,13 +223,16 @@ class Checkpointer:
       async_save: write in a background thread (see module docstring); default synchronous.
     """
 
-    def __init__(self, workdir: str | Path, *, keep: int, async_save: bool = False):
+    def __init__(self, workdir: str | Path, *, keep: int, async_save: bool = False,
+                 checksums: bool = True):
         if keep < 1:
             raise ValueError(f"Checkpointer(keep={keep}): keep must be >= 1")
         # orbax needs an absolute path (a relative workdir such as runs/x fails at save time).
         self.directory = Path(workdir).absolute() / "checkpoints"
         self.keep = keep
         self.async_save = async_save
+        self.checksums = checksums
+        self._unsummed: list[int] = []  # committed (or committing) steps without checksums yet
         # Count a step as committed only when its commit marker exists (orbax writes the marker
         # under both atomicity protocols; see module docstring).
         name_format = ocp.path.step.standard_name_format(
@@ -304,9 +341,45 @@ class Checkpointer:
                 f"saving checkpoint step {step} to {self.step_dir(step)} failed: "
                 f"{type(e).__name__}: {e}"
             ) from e
+        if saved:
+            self._unsummed.append(step)
         if not self.async_save:
-            self._mgr.wait_until_finished()
+            self.wait()
         return bool(saved)
+
+    def _write_checksums(self) -> None:
+        """The checksum files of the steps committed since the last call (primary process)."""
+        steps, self._unsummed = self._unsummed, []
+        if not self.checksums or jax.process_index() != 0:
+            return
+        for step in steps:
+            where = self.step_dir(step)
+            if not (where / COMMIT_FILE).exists():
+                continue
+            tmp = where / (CHECKSUM_FILE + ".tmp")
+            tmp.write_text(json.dumps({"crc32": _file_sums(where)}))
+            os.replace(tmp, where / CHECKSUM_FILE)
+
+    def verify(self, step: int) -> str | None:
+        """None when the files of `step` match the checksums written at its commit (or it has
+        none), else why not, naming the file."""
+        where = self.step_dir(step)
+        sums_file = where / CHECKSUM_FILE
+        if not sums_file.is_file():
+            return None
+        try:
+            want = json.loads(sums_file.read_text())["crc32"]
+        except (ValueError, KeyError, TypeError) as e:
+            return f"{sums_file} is unreadable ({type(e).__name__})"
+        got = _file_sums(where)
+        for name, (size, crc) in want.items():
+            if name not in got:
+                return f"file {name} is missing"
+            if got[name][0] != size:
+                return f"file {name} has {got[name][0]} bytes, {size} when saved"
+            if got[name][1] != crc:
+                return f"file {name} does not match its checksum (changed since it was saved)"
+        return None
 
     # -- restore
 
@@ -391,14 +464,68 @@ class Checkpointer:
             ) from e
         return out[key]
 
+    def restore_latest_good(self, *, target: Any, report=log.warning
+                            ) -> tuple[Any, dict, int] | None:
+        """(state, extra, step) of the newest step that verifies and restores into `target`;
+        None when there is no committed step. A step that fails is moved to `<step>.corrupt`
+        and `report` gets one line (step, file, reason); when none restores, a CheckpointError
+        lists what was tried. A `CheckpointMismatchError` (another config) is raised as is."""
+        tried = []
+        for step in reversed(self.all_steps()):
+            reason = self.verify(step)
+            if reason is None:
+                try:
+                    state, extra = self.restore(step, target=target)
+                    return state, extra, step
+                except CheckpointMismatchError:
+                    raise
+                except CheckpointError as e:
+                    reason = _one_line(str(e).split(": ", 1)[-1])
+            moved = self.set_aside(step, "corrupt")
+            report(f"checkpoint step {step} is corrupt ({reason}); moved it to {moved.name} and "
+                   f"trying the one before")
+            tried.append(f"step {step}: {reason}")
+        if tried:
+            raise CheckpointError(f"no checkpoint in {self.directory} restores (each was moved "
+                                  f"to <step>.corrupt): " + "; ".join(tried))
+        return None
+
+    def set_aside(self, step: int, why: str) -> Path:
+        """Renames the directory of `step` to `<step>.<why>` (or `<step>.<why>.<n>`); returns
+        the new path. It is no longer a step of this checkpointer."""
+        self.wait()
+        src = self.step_dir(step)
+        dst = src.with_name(f"{step}.{why}")
+        n = 1
+        while dst.exists():
+            dst, n = src.with_name(f"{step}.{why}.{n}"), n + 1
+        if jax.process_index() == 0:
+            os.replace(src, dst)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"sage_jax set_aside {step}")
+        self._mgr.reload()
+        return dst
+
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Moves every committed step after `step` to `<step>.superseded` (resuming from a
+        chosen step); a CheckpointError when `step` itself is not a committed step."""
+        if step not in self.all_steps():
+            raise CheckpointError(f"train.resume_step={step}: no committed checkpoint for that "
+                                  f"step in {self.directory}; committed steps: "
+                                  f"{self.all_steps()}")
+        return [self.set_aside(s, "superseded") for s in self.all_steps() if s > step]
+
     # -- lifecycle
 
     def wait(self) -> None:
-        """Blocks until a pending asynchronous save is committed (no-op when synchronous)."""
+        """Blocks until a pending asynchronous save is committed (no-op when synchronous), then
+        writes its checksums."""
         self._mgr.wait_until_finished()
+        self._write_checksums()
 
     def close(self) -> None:
         """Waits for pending saves and releases orbax resources. All processes must call it."""
+        self.wait()
         self._mgr.close()
 
     def __enter__(self) -> Checkpointer:

@@ -220,11 +220,14 @@ class TrainConfig(_Section):
     log_every: int = 1  # Steps between metric logs.
     samples_every: int = 10  # Steps between dumps of sample rollouts; 0 = never.
     workdir: str | None = None  # Folder for checkpoints, metrics and samples; None = none.
+    resume_step: int | None = None  # Resume from this step (later ones are set aside).
 
     def validate(self) -> None:
         _require(self.steps >= 0, "steps", self.steps, "must be >= 0")
         _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
         _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        _require(self.resume_step is None or self.resume_step >= 0, "resume_step",
+                 self.resume_step, "must be >= 0 (or null: the latest good checkpoint)")
         _require(self.samples_every >= 0, "samples_every", self.samples_every,
                  "must be >= 0 (0 = never)")
 
@@ -235,6 +238,7 @@ class CheckpointConfig(_Section):
 
     every: int = 50  # Steps between checkpoints; 0 = only at the end.
     keep: int = 3  # Most recent checkpoints kept.
+    checksums: bool = True  # CRC-32 of each saved file, checked before a resume restores it.
 
     def validate(self) -> None:
         _require(self.every >= 0, "every", self.every, "must be >= 0")
@@ -613,9 +617,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         path = resolve_config_path(path)
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte "
+                              f"{e.start})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, Mapping):
@@ -624,4 +631,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             _check_keys(data, Config, "", Config)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}", key=e.key) from None
-    return from_dict(apply_overrides(data, overrides))
+    try:
+        return from_dict(apply_overrides(data, overrides))
+    except ConfigError as e:
+        if path is None:
+            raise
+        try:
+            from_dict(data)
+        except ConfigError:  # the file itself is invalid (not only with the overrides): name it
+            raise ConfigError(f"{path}: {e}", key=e.key) from None
+        raise

@@ -13,9 +13,8 @@ import argparse
 import datetime
 from pathlib import Path
 
-from sage_jax import cli, config as config_lib, jobs
+from sage_jax import checkpoint, cli, config as config_lib, jobs
 from sage_jax.run.loop import TrainingError
-from sage_jax.tasks.data import DataError
 
 
 def parse(argv=None):
@@ -42,7 +41,7 @@ def main(argv=None):
         cfg, workdir = parse(argv)
         return jobs.run(cfg, workdir)
 
-    cli.run_command(run, (config_lib.ConfigError, DataError, TrainingError, FileNotFoundError))
+    cli.run_command(run, (ValueError, FileNotFoundError, TrainingError, checkpoint.CheckpointError))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,63 @@ def test_resume_is_bit_identical_and_survives_a_crash_during_save(tmp_path, monk
         np.testing.assert_equal(drop(ra), drop(rb))  # NaN == NaN here
 
 
+def _data_files(step_dir):
+    """The array data files of a saved step (orbax OCDBT), largest first."""
+    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and "/d/" in str(f)]
+    return sorted(files, key=lambda f: -f.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "truncate_no_checksums", "flip_byte"])
+def test_a_corrupt_latest_checkpoint_costs_one_interval(tmp_path, capsys, damage):
+    """The newest checkpoint is cut short (as a partial copy leaves it) or has one flipped byte
+    (caught by the checksums written at commit); without checksums the truncation is caught by
+    the failing read. The re-run says so in one line, moves it to 3.corrupt, resumes from step 2
+    and ends bit-identical to an uninterrupted run."""
+    c = cfg("rl.method=grpo", "train.steps=3")
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    loop.train(c, straight)
+    loop.train(c, broken)
+    victim = _data_files(broken / "checkpoints" / "3")[0]
+    data = bytearray(victim.read_bytes())
+    if damage == "truncate_no_checksums":
+        (broken / "checkpoints" / "3" / checkpoint.CHECKSUM_FILE).unlink()
+    if damage.startswith("truncate"):
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[len(data) // 2] ^= 0x01
+        victim.write_bytes(bytes(data))
+    capsys.readouterr()
+    loop.train(c, broken)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("checkpoint step 3 is corrupt"))
+    assert "moved it to 3.corrupt" in line and "resumed from" in out
+    if damage == "flip_byte":
+        assert victim.name in line and "checksum" in line
+    assert (broken / "checkpoints" / "3.corrupt").is_dir()  # set aside, never deleted
+    assert [r["step"] for r in read_metrics(broken / "metrics.jsonl")] == [1, 2, 3]
+    s_step, s_params = _params(straight)
+    r_step, r_params = _params(broken)
+    assert s_step == r_step == 3
+    for k in s_params:
+        np.testing.assert_array_equal(s_params[k], r_params[k], err_msg=k)
+
+
+def test_resume_step_rolls_back_once_and_no_good_checkpoint_is_one_error(tmp_path, capsys):
+    c = cfg("rl.method=grpo", "train.steps=3")
+    loop.train(c, tmp_path)
+    back = cfg("rl.method=grpo", "train.steps=3", "train.resume_step=1")
+    loop.train(back, tmp_path)  # steps 2 and 3 set aside, then trained again from step 1
+    out = capsys.readouterr().out
+    assert "set checkpoint 3.superseded aside" in out and "set checkpoint 2.superseded aside" in out
+    assert checkpoint.Checkpointer(tmp_path, keep=3).all_steps() == [1, 2, 3]
+    loop.train(back, tmp_path)  # the same command again: nothing is rolled back
+    assert "superseded" not in capsys.readouterr().out
+    for step in (1, 2, 3):
+        _data_files(tmp_path / "checkpoints" / str(step))[0].write_bytes(b"")
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in .* restores"):
+        loop.train(c, tmp_path)
+
+
 def test_bad_config_fails_before_compile(tmp_path):
     with pytest.raises(ValueError, match="rl.prompts_per_step"):
         loop.train(cfg("rl.prompts_per_step=3", "rl.minibatches=1", "rl.group_size=3",

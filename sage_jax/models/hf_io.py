@@ -17,7 +17,33 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint tensor is missing, unexpected or has the wrong shape."""
+    """A checkpoint file is unreadable, or a tensor is missing, unexpected or has the wrong shape
+    or dtype; the message names the file and tensor."""
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """`path` when it is a Hugging Face model folder (a config.json); else FileNotFoundError."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {path} is a file, not a Hugging Face model folder")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
+    return path
+
+
+def _open(file: Path, index: Path | None = None):
+    """safe_open of a safetensors file; an unreadable one is a CheckpointError naming it."""
+    if not file.is_file():
+        where = f" (a shard listed in {index.name})" if index is not None else ""
+        raise CheckpointError(f"{file}: missing{where}")
+    try:
+        return safe_open(file, framework="flax")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        shard = f", a shard listed in {index.name}" if index is not None else ""
+        raise CheckpointError(f"{file}{shard}: not a readable safetensors file (truncated or "
+                              f"corrupt: {str(e).strip().splitlines()[0]})") from None
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
@@ -49,15 +75,23 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from an index file or the single model.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: "
+                                  f"{e})") from None
+        out = {name: path / file for name, file in weight_map.items()}
+        for f in sorted(set(out.values())):
+            with _open(f, index):
+                pass
+        return out
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors in {path} (weights are loaded from safetensors only)")
     out: dict[str, Path] = {}
     for f in files:
-        with safe_open(f, framework="flax") as st:
+        with _open(f) as st:
             out.update({name: f for name in st.keys()})
     return out
 
@@ -72,7 +106,7 @@ def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None) -> Decod
 
     `dtype` is the parameter dtype; `compute_dtype` defaults to it.
     """
-    path = Path(path)
+    path = check_model_dir(path)
     cfg = ModelConfig.from_hf_dir(path)
     graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, compute_dtype))
     expected = hf_names(cfg)
@@ -89,11 +123,18 @@ def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None) -> Decod
             raise CheckpointError(f"{path}: missing tensor {name!r} for {cfg.architecture}")
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="flax") as st:
+        with _open(file) as st:
             for name in names:
                 ours, transpose = expected[name]
                 var = flat[ours]
-                t = st.get_tensor(name)
+                try:
+                    t = st.get_tensor(name)
+                except Exception as e:  # noqa: BLE001 - a truncated file fails here
+                    raise CheckpointError(f"{file}: tensor {name!r} does not read (truncated or "
+                                          f"corrupt: {str(e).strip().splitlines()[0]})") from None
+                if not jnp.issubdtype(t.dtype, jnp.floating):
+                    raise CheckpointError(f"{file}: tensor {name!r} has dtype {t.dtype}, expected "
+                                          f"a floating-point dtype")
                 t = t.T if transpose else t
                 if tuple(t.shape) != tuple(var.shape):
                     raise CheckpointError(

@@ -12,6 +12,10 @@ import transformers
 _DEFAULT_TEMPLATE_KWARGS = {"date_string": "26 Jul 2024"}
 
 
+# A folder holds a tokenizer when it has one of these (what AutoTokenizer reads).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 class Tokenizer:
     """Loads a tokenizer from a local directory and renders chat prompts with its template."""
 
@@ -19,8 +23,16 @@ class Tokenizer:
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
-        self.hf = transformers.AutoTokenizer.from_pretrained(str(self.path),
-                                                             trust_remote_code=False)
+        if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
+            raise FileNotFoundError(f"{path}: no tokenizer files (expected one of "
+                                    f"{', '.join(TOKENIZER_FILES)} in a Hugging Face model folder)")
+        try:
+            self.hf = transformers.AutoTokenizer.from_pretrained(str(self.path),
+                                                                 trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+            raise ValueError(f"{path}: its tokenizer does not load ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                             ) from None
         self.template_kwargs = dict(_DEFAULT_TEMPLATE_KWARGS, **(template_kwargs or {}))
         self.eos_ids = self._eos_ids()
         pad = self.hf.pad_token_id

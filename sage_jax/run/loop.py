@@ -7,6 +7,7 @@ metrics (console progress, metrics.jsonl, groups.jsonl, TensorBoard when install
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import signal
 import sys
@@ -170,12 +171,14 @@ def _start(cfg, workdir: Path) -> _Run:
     if is_main:
         print(f"per device: params {_device_mib(state.params):.1f} MiB, optimiser "
               f"{_device_mib(state.opt_state):.1f} MiB (mesh {dict(mesh.shape)})", flush=True)
-    ckpt = checkpoint.Checkpointer(workdir, keep=cfg.checkpoint.keep)
-    latest = ckpt.latest_step()
-    if latest is not None:
-        state, _ = ckpt.restore(latest, target=state)
-        if is_main:
-            print(f"resumed from {ckpt.step_dir(latest)}", flush=True)
+    ckpt = checkpoint.Checkpointer(workdir, keep=cfg.checkpoint.keep,
+                                   checksums=cfg.checkpoint.checksums)
+    _resume_from(ckpt, cfg.train.resume_step, is_main)
+    say = (lambda line: print(line, flush=True)) if is_main else (lambda line: None)
+    resumed = ckpt.restore_latest_good(target=state, report=say)
+    if resumed is not None:
+        state, _, step = resumed
+        say(f"resumed from {ckpt.step_dir(step)}")
     start = int(state.step)
     scorer = distributed.ShardedScorer(rewards.RewardPool(  # each process scores its share
         task.reward_fn, timeout_s=cfg.rl.reward_timeout_s))
@@ -186,6 +189,19 @@ def _start(cfg, workdir: Path) -> _Run:
                 step_fn=update.make_train_step(graphdef, cfg, mesh), scorer=scorer,
                 logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
                 last_saved=start)
+
+
+def _resume_from(ckpt: checkpoint.Checkpointer, step: int | None, is_main: bool) -> None:
+    """train.resume_step: the steps after it are set aside, once (a marker file records it, so
+    re-running the same command continues instead of rolling back again)."""
+    marker = ckpt.directory.parent / "resumed_from.json"
+    if step is None or (marker.is_file() and json.loads(marker.read_text()) == {"step": step}):
+        return
+    for moved in ckpt.set_aside_after(step):
+        if is_main:
+            print(f"train.resume_step={step}: set checkpoint {moved.name} aside", flush=True)
+    if is_main:
+        marker.write_text(json.dumps({"step": step}))
 
 
 def _step(run: _Run, step: int) -> dict:

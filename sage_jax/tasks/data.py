@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import logging
 import math
 import re
@@ -78,8 +79,53 @@ def _sources(files: tuple[str, ...] | list[str], fmt: str) -> list[tuple[str, st
     return sources
 
 
+_CHECKED_BYTES = 1 << 30  # local JSON files up to this size are checked line by line first
+
+
+def _check_local(path: str, builder: str) -> None:
+    """One clear DataError for a local file that is empty, not UTF-8 or not valid JSON(L),
+    naming the file and line (the datasets library reports these without the row)."""
+    f = Path(path)
+    if not f.is_file():
+        return
+    if f.stat().st_size == 0:
+        raise DataError(f"{path} is empty (no rows)")
+    if builder != "json" or f.suffix not in (".json", ".jsonl") or (
+            f.stat().st_size > _CHECKED_BYTES):
+        return
+    raw = f.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
+    if not text.strip():
+        raise DataError(f"{path} is empty (no rows)")
+    if text.lstrip()[:1] == "[":  # one JSON document (a list of rows)
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+                            ) from None
+        return
+    try:
+        json.loads(text)  # one JSON object (or a single line)
+        return
+    except json.JSONDecodeError:
+        pass
+    for n, line in enumerate(text.splitlines(), 1):  # JSON lines: one object per line
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})"
+                                ) from None
+
+
 def _read(source: str, builder: str) -> datasets.Dataset:
     """The rows of one file (or hub dataset `name[:split]`) as a `datasets.Dataset`."""
+    if builder != "hub":
+        _check_local(source, builder)
     try:
         if builder == "hub":
             name, _, split = source.partition(":")

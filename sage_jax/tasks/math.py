@@ -7,6 +7,7 @@ from typing import Sequence
 
 from sage_jax.config import ConfigError
 from sage_jax.core.sage import LEVELS, leaks_answer
+from sage_jax.models.hf_io import check_model_dir
 from sage_jax.models.tokenizer import Tokenizer
 from sage_jax.rewards import extract_boxed, math_reward_checked
 from sage_jax.tasks.base import TaskPlugin
@@ -114,7 +115,7 @@ def make_task(cfg, model_path: str | None = None, system_prompt: str | None = No
     if not path:
         raise ConfigError("task.name=math needs model.path (a Hugging Face folder)",
                           key="model.path")
-    return MathTask(Tokenizer(path), system_prompt=system_prompt or ANSWER_SYSTEM)
+    return MathTask(Tokenizer(check_model_dir(path)), system_prompt=system_prompt or ANSWER_SYSTEM)
 
 
 PLUGIN = TaskPlugin(name="math", make_task=make_task)
