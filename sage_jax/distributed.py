@@ -22,6 +22,13 @@ When is `jax.distributed.initialize()` called (`initialize_from_env`, first thin
 * Otherwise: one process, nothing is initialised.
 
 On CPU, cross-process collectives use gloo (JAX's default `jax_cpu_collectives_implementation`).
+
+A lost process never hangs the others: JAX's coordination service expects a heartbeat from
+every process, and when one stops (the process died, or its host went away) every other process
+is terminated with an error that says a task died. ``SAGE_JAX_HEARTBEAT_TIMEOUT_S`` (default 60)
+is how long a silent process is waited for, ``SAGE_JAX_SHUTDOWN_TIMEOUT_S`` (default 60) how long
+the exit barrier waits for the others (`jax.distributed.initialize`'s heartbeat_timeout_seconds
+and shutdown_timeout_seconds; JAX's own defaults are 100 and 300).
 """
 
 from __future__ import annotations
@@ -108,6 +115,20 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any] | N
     return None
 
 
+def liveness_from_env(env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """`jax.distributed.initialize`'s heartbeat and shutdown timeouts (seconds) from the
+    environment (see the module docstring)."""
+    env = os.environ if env is None else env
+    out = {}
+    for name, key, default in (("SAGE_JAX_HEARTBEAT_TIMEOUT_S", "heartbeat_timeout_seconds", 60),
+                               ("SAGE_JAX_SHUTDOWN_TIMEOUT_S", "shutdown_timeout_seconds", 60)):
+        value = _int_env(env, name)
+        if value is not None and value < 1:
+            raise DistributedError(f"{name}={value}: must be >= 1 (seconds)")
+        out[key] = default if value is None else value
+    return out
+
+
 def initialize_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Calls `jax.distributed.initialize` when the environment asks for a multi-process run
     (see the module docstring); returns whether JAX runs distributed. Idempotent, and a no-op
@@ -118,7 +139,7 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> bool:
     if kwargs is None:
         return False
     try:
-        jax.distributed.initialize(**kwargs)
+        jax.distributed.initialize(**kwargs, **liveness_from_env(env))
     except RuntimeError as e:
         if "before any JAX calls" in str(e) or "must be called before" in str(e):
             raise DistributedError(

@@ -9,6 +9,8 @@ results, the process layout, the last metrics and a hash of every parameter.
 
 import hashlib
 import json
+import os
+import signal
 import sys
 
 import numpy as np
@@ -31,11 +33,22 @@ def param_hashes(model) -> dict[str, str]:
     return {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in host.items()}
 
 
-def main(workdir: str, report: str) -> None:
+def main(workdir: str, report: str, die_after: int | None = None) -> None:
     assert distributed.initialize_from_env(), "the environment should ask for 2 processes"
     import jax
     from sage_jax import config
 
+    if die_after is not None and jax.process_index() == 1:
+        real_step = loop._step
+
+        def step_then_die(run, step):  # the host is lost right after this step
+            out = real_step(run, step)
+            if step + 1 == die_after:
+                print(f"process 1: killing myself after step {step + 1}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        loop._step = step_then_die
     out = {"helpers": helpers()}
     cfg = config.load_config(config.DEFAULT_CONFIG, ARGS)
     metrics = loop.train(cfg, workdir)
@@ -85,4 +98,4 @@ def helpers() -> dict:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)

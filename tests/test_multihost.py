@@ -5,6 +5,7 @@ restores; plus the environment rules of `distributed.initialize_from_env`."""
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,19 +30,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_workers(workdir: Path, reports: list[Path]) -> None:
-    """Runs the worker script as processes 0 and 1 of one JAX cluster (4 CPU devices each)."""
+def _start_workers(workdir: Path, reports: list[Path], *extra: str, **env_extra: str):
+    """Starts the worker script as processes 0 and 1 of one JAX cluster (4 CPU devices each);
+    returns (processes, their open log files)."""
     port = _free_port()
     procs, logs = [], []
     for i, report in enumerate(reports):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
+                   JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1", **env_extra)
         log = open(report.with_suffix(".log"), "w+")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(workdir), str(report)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(workdir), str(report),
+                                       *extra], env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def _run_workers(workdir: Path, reports: list[Path]) -> None:
+    """Runs the worker script as processes 0 and 1 of one JAX cluster (4 CPU devices each)."""
+    procs, logs = _start_workers(workdir, reports)
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while any(p.poll() is None for p in procs):
@@ -99,6 +107,44 @@ def test_two_processes_train_and_a_single_process_restores(cluster):
     for k, v in flat.items():
         assert np.all(np.isfinite(v)), k
         assert hashlib.sha256(v.tobytes()).hexdigest() == r0["params"][k], k
+
+
+LOST_HOST_LIMIT_S = 120
+
+
+def test_a_lost_process_never_hangs_the_others(tmp_path):
+    """Process 1 dies (SIGKILL) right after its first step, while process 0 goes on into the
+    second: process 0 exits non-zero within the bound, saying that a task died, instead of
+    waiting in a collective forever."""
+    reports = [tmp_path / f"process{i}.json" for i in range(2)]
+    procs, logs = _start_workers(tmp_path / "run", reports, "1", SAGE_JAX_HEARTBEAT_TIMEOUT_S="20",
+                                 SAGE_JAX_SHUTDOWN_TIMEOUT_S="20")
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while procs[1].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert procs[1].returncode == -9, "process 1 should have killed itself"
+        lost_at = time.monotonic()
+        while procs[0].poll() is None and time.monotonic() < lost_at + LOST_HOST_LIMIT_S:
+            time.sleep(0.5)
+        waited = time.monotonic() - lost_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs[0].seek(0)
+    log0 = logs[0].read()
+    for log in logs:
+        log.close()
+    print(f"process 0 exited {procs[0].returncode} {waited:.0f} s after process 1 was lost")
+    assert procs[0].returncode not in (None, 0), f"process 0 still ran or exited 0:\n{log0[-3000:]}"
+    assert waited < LOST_HOST_LIMIT_S
+    named = [line for line in log0.splitlines() if re.search(r"task:1|heartbeat|task died", line,
+                                                             re.I)]
+    assert named, log0[-3000:]
+    print("process 0 said:", named[0][:300])
+    assert not reports[0].exists()
 
 
 def test_two_processes_helpers(cluster):

@@ -66,7 +66,7 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     import shutil
     shutil.copytree(cached, shipped)
     monkey = pytest.MonkeyPatch()
-    monkey.setattr(toy_job, "PACKAGED", shipped)
+    monkey.setattr(warm_start, "PACKAGED", shipped)
     try:
         warm_start.warm_started_model(cfg, progress=print)
         assert f"the shipped SFT model {shipped}" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """The trainer end to end on the toy task: every method, metrics, exact resume, crash safety."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -97,16 +98,24 @@ def _data_files(step_dir):
     return sorted(files, key=lambda f: -f.stat().st_size)
 
 
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """(config, a finished 3-step run with a checkpoint per step) of grpo on the toy task."""
+    c = cfg("rl.method=grpo", "train.steps=3")
+    run = tmp_path_factory.mktemp("three_steps") / "run"
+    loop.train(c, run)
+    return c, run
+
+
 @pytest.mark.parametrize("damage", ["truncate", "truncate_no_checksums", "flip_byte"])
-def test_a_corrupt_latest_checkpoint_costs_one_interval(tmp_path, capsys, damage):
+def test_a_corrupt_latest_checkpoint_costs_one_interval(three_steps, tmp_path, capsys, damage):
     """The newest checkpoint is cut short (as a partial copy leaves it) or has one flipped byte
     (caught by the checksums written at commit); without checksums the truncation is caught by
     the failing read. The re-run says so in one line, moves it to 3.corrupt, resumes from step 2
-    and ends bit-identical to an uninterrupted run."""
-    c = cfg("rl.method=grpo", "train.steps=3")
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
-    loop.train(c, straight)
-    loop.train(c, broken)
+    and ends bit-identical to the uninterrupted run."""
+    c, straight = three_steps
+    broken = tmp_path / "broken"
+    shutil.copytree(straight, broken)
     victim = _data_files(broken / "checkpoints" / "3")[0]
     data = bytearray(victim.read_bytes())
     if damage == "truncate_no_checksums":
@@ -132,9 +141,11 @@ def test_a_corrupt_latest_checkpoint_costs_one_interval(tmp_path, capsys, damage
         np.testing.assert_array_equal(s_params[k], r_params[k], err_msg=k)
 
 
-def test_resume_step_rolls_back_once_and_no_good_checkpoint_is_one_error(tmp_path, capsys):
-    c = cfg("rl.method=grpo", "train.steps=3")
-    loop.train(c, tmp_path)
+def test_resume_step_rolls_back_once_and_no_good_checkpoint_is_one_error(three_steps, tmp_path,
+                                                                          capsys):
+    c, done = three_steps
+    tmp_path = tmp_path / "run"
+    shutil.copytree(done, tmp_path)
     back = cfg("rl.method=grpo", "train.steps=3", "train.resume_step=1")
     loop.train(back, tmp_path)  # steps 2 and 3 set aside, then trained again from step 1
     out = capsys.readouterr().out
