@@ -337,9 +337,13 @@ class Checkpointer:
         try:
             saved = self._mgr.save(step, args=args, force=True)
         except Exception as e:
+            full = any(m in str(e) for m in ("No space left", "File too large", "Disk quota"))
+            why = "the disk is full (or a file-size limit was hit): " if full else ""
+            kept = (f"the last good checkpoint (step {latest}) is intact" if latest is not None
+                    else "no earlier checkpoint exists")
             raise CheckpointError(
-                f"saving checkpoint step {step} to {self.step_dir(step)} failed: "
-                f"{type(e).__name__}: {e}"
+                f"saving checkpoint step {step} to {self.step_dir(step)} failed; {kept}. "
+                f"{why}{type(e).__name__}: {_one_line(str(e), 400)}"
             ) from e
         if saved:
             self._unsummed.append(step)

@@ -2,6 +2,9 @@
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,6 +160,22 @@ def test_resume_step_rolls_back_once_and_no_good_checkpoint_is_one_error(three_s
         _data_files(tmp_path / "checkpoints" / str(step))[0].write_bytes(b"")
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in .* restores"):
         loop.train(c, tmp_path)
+
+
+def test_a_full_disk_during_save_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    worker = Path(__file__).with_name("diskfull_worker.py")
+    got = subprocess.run([sys.executable, str(worker), str(run)], capture_output=True, text=True,
+                         timeout=600)
+    (last,) = [x for x in got.stderr.splitlines() if x.startswith("error:")]  # one error line
+    assert got.returncode == 2, got.stderr[-3000:]
+    assert last.startswith("error: saving checkpoint step 2 ") and (
+        "the last good checkpoint (step 1) is intact" in last and "the disk is full" in last), last
+    assert checkpoint.Checkpointer(run, keep=3).all_steps() == [1]
+    step, params = _params(run)  # the previous checkpoint still restores
+    assert step == 1 and all(np.isfinite(v).all() for v in params.values())
+    loop.train(cfg("rl.method=grpo", "train.steps=2", "train.samples_every=0"), run)
+    assert checkpoint.Checkpointer(run, keep=3).all_steps() == [1, 2]  # and the run goes on
 
 
 def test_bad_config_fails_before_compile(tmp_path):

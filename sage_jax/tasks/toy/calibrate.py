@@ -308,15 +308,29 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     if problems is None:
         problems = toy.make_problems(problems_per_length, spec, seed=20_000 + seed,
                                      per_length=True)
-    ks = np.asarray([p.k for p in problems])
-    kmax = int(ks.max())
     key = jax.random.PRNGKey(seed)
+    out = _pass_rates(model, problems, task=task, generate=generate, group_size=group_size,
+                      temperature=temperature, levels=levels, key=key)
+    writing = hint_write_accuracy(model, problems, task=task, generate=generate,
+                                  temperature=hint_temperature, key=jax.random.fold_in(key, 1000),
+                                  levels=levels)  # one payload per problem
+    out["hint_parse_rate"], out["hint_write_acc"] = writing["parse_rate"], writing["acc"]
+    out["samples"]["write"] = writing["samples"]
+    out.update(_gate(out, levels=levels, method=method, hint_source=hint_source,
+                     kmax=max(p.k for p in problems)))
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _pass_rates(model, problems, *, task, generate, group_size, temperature, levels, key
+                ) -> dict:
+    """Pass rates by level (0: no hint) and length, the all-zero share, a few sample texts."""
+    ks = np.asarray([p.k for p in problems])
     out: dict = {"group_size": group_size, "temperature": temperature,
                  "problems": len(problems), "lengths": sorted(set(ks.tolist()))}
-
     pass_by_level: dict[int, dict[int, float]] = {}
     pass_all: dict[int, float] = {}
-    examples: dict[int, list[str]] = {}
+    examples: dict = {}
     for level in (0, *levels):
         idx = [i for i, p in enumerate(problems)
                if level == 0 or level in toy.reference_hints(p)]
@@ -334,24 +348,19 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
             az = rewards.max(axis=1) == 0
             out["all_zero"] = float(az.mean())
             out["all_zero_by_k"] = {int(k): float(az[kk == k].mean()) for k in sorted(set(kk))}
-    out["pass_by_level"] = pass_by_level
-    out["pass_by_level_all"] = pass_all
+    out.update(pass_by_level=pass_by_level, pass_by_level_all=pass_all, samples=examples)
+    return out
 
-    # the policy writes hints (one payload per problem)
-    writing = hint_write_accuracy(model, problems, task=task, generate=generate,
-                                  temperature=hint_temperature, key=jax.random.fold_in(key, 1000),
-                                  levels=levels)
-    out["hint_parse_rate"], out["hint_write_acc"] = writing["parse_rate"], writing["acc"]
-    examples["write"] = writing["samples"]
-    out["samples"] = examples
 
-    # the gate
+def _gate(cal: dict, *, levels, method: str, hint_source: str, kmax: int) -> dict:
+    """The gate's checks and notes from the measured `cal`, and the hint source RL uses."""
     notes = []
-    ok_zero = out["all_zero"] >= GATE_ALL_ZERO
-    notes.append(f"all-zero groups {out['all_zero']:.0%} (want >= {GATE_ALL_ZERO:.0%}): "
+    ok_zero = cal["all_zero"] >= GATE_ALL_ZERO
+    notes.append(f"all-zero groups {cal['all_zero']:.0%} (want >= {GATE_ALL_ZERO:.0%}): "
                  + ("ok" if ok_zero else "FAIL"))
-    if 3 in pass_by_level and kmax in pass_by_level[3]:
-        l3, l0 = pass_by_level[3][kmax], pass_by_level[0][kmax]
+    by_level = cal["pass_by_level"]
+    if 3 in by_level and kmax in by_level[3]:
+        l3, l0 = by_level[3][kmax], by_level[0][kmax]
         ok_l3 = l3 >= l0 + GATE_L3_MARGIN
         notes.append(f"pass at k={kmax}: level-3 hint {l3:.0%} vs no hint {l0:.0%} "
                      f"(want +{GATE_L3_MARGIN:.0%}): " + ("ok" if ok_l3 else "FAIL"))
@@ -359,11 +368,10 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
         ok_l3 = False
         notes.append("no level-3 hints measured: FAIL")
     notes.append("hint writing (policy vs reference) " + ", ".join(
-        f"L{lvl} {out['hint_write_acc'][lvl]:.0%}" for lvl in levels)
-        + f", parsed {out['hint_parse_rate']:.0%}")
-    l1 = out["hint_write_acc"].get(1)
+        f"L{lvl} {cal['hint_write_acc'][lvl]:.0%}" for lvl in levels)
+        + f", parsed {cal['hint_parse_rate']:.0%}")
+    l1 = cal["hint_write_acc"].get(1)
     source, why = pick_hint_source(hint_source, l1)
-    out["hint_source"], out["hint_source_reason"] = source, why
     ok_self = True
     if method in ("sage", "sage_light") and source in SELF_WRITTEN:
         ok_self = l1 is not None and l1 >= GATE_WRITE_ACC
@@ -373,11 +381,10 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
                          "ok" if ok_self else "FAIL: the policy cannot write its hints, so "
                          "SAGE rescues nothing and degenerates to GRPO"))
     notes.append(f"hint source: {source} ({why})")
-    out["gate"] = {"all_zero": bool(ok_zero), "l3_above_no_hint": bool(ok_l3),
-                   "self_hints": bool(ok_self), "passed": bool(ok_zero and ok_l3 and ok_self)}
-    out["gate_notes"] = notes
-    out["seconds"] = time.perf_counter() - t0
-    return out
+    return {"hint_source": source, "hint_source_reason": why,
+            "gate": {"all_zero": bool(ok_zero), "l3_above_no_hint": bool(ok_l3),
+                     "self_hints": bool(ok_self), "passed": bool(ok_zero and ok_l3 and ok_self)},
+            "gate_notes": notes}
 
 
 def format_calibration(cal: dict) -> str:
