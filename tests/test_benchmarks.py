@@ -125,6 +125,16 @@ def test_layouts_agree_and_auto_picks_a_file():
     assert len(load_benchmark("olympiadbench", DATA_DIR, limit=5)) == 5
 
 
+def test_the_benchmark_folder_itself_is_a_data_dir_too():
+    """--data-dir may be the data folder or the folder holding <name>/test.jsonl (or
+    <name>.parquet) itself."""
+    for layout, folder in (("jsonl", "eval"), ("verl", "eval_verl")):
+        inside = load_benchmark("amc23", DATA_DIR / folder, layout=layout)
+        assert inside == load_benchmark("amc23", DATA_DIR, layout=layout) and len(inside) == 40
+    assert load_benchmark("math500", DATA_DIR / "eval", limit=3) == load_benchmark(
+        "math500", DATA_DIR, limit=3)
+
+
 def test_reexported_normalize_answer():
     assert normalize_answer(27.0) == "27"
     assert normalize_answer(" $x+1$ ") == "x+1"

@@ -25,10 +25,10 @@ from sage_jax.tasks.math import ANSWER_SYSTEM, MathTask
 def _policy(args):
     """(graphdef, params, task, info, run cfg or None) of --model or --checkpoint."""
     if args.model:
-        path = Path(args.model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model {path}: no config.json (expected a Hugging Face "
-                                    f"model folder)")
+        try:
+            path = models.check_model_dir(args.model)  # a folder, or a hub id
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"--model {e}") from None
         dtype = args.dtype
         if dtype == "auto":
             dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -42,13 +42,14 @@ def _policy(args):
         model = models.from_hf(path, dtype=jnp.dtype(dtype))
         system = ANSWER_SYSTEM if args.system_prompt is None else args.system_prompt
         task = MathTask(tokenizer, system_prompt=system)
-        info = {"model": str(path), "dtype": dtype}
+        info = {"model": str(args.model), "dtype": dtype}
         cfg = None
     else:
         workdir, step = restore.split_checkpoint_path(args.checkpoint)
         cfg, model, step = restore.restore_policy(workdir, step)
         plugin = registry.plugin(cfg.task.name)
-        if plugin.model_config is None and not (cfg.model.path and Path(cfg.model.path).is_dir()):
+        if plugin.model_config is None and not (cfg.model.path
+                                                and models.hub.resolve(cfg.model.path).is_dir()):
             raise FileNotFoundError(
                 f"the run's base model folder model.path={cfg.model.path!r} (needed for its "
                 f"tokenizer) does not exist; export the checkpoint and use --model")

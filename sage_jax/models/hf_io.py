@@ -10,6 +10,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
+from sage_jax.models import hub
 from sage_jax.models.config import ModelConfig
 from sage_jax.models.decoder import Decoder
 
@@ -22,8 +23,10 @@ class CheckpointError(ValueError):
 
 
 def check_model_dir(path: str | Path) -> Path:
-    """`path` when it is a Hugging Face model folder (a config.json); else FileNotFoundError."""
-    path = Path(path)
+    """The Hugging Face model folder of `path` (a folder, or a hub id `org/name[@revision]`
+    fetched into the HF cache: `hub.resolve`) when it holds a config.json; else
+    FileNotFoundError."""
+    path = hub.resolve(path)
     if not path.exists():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not path.is_dir():

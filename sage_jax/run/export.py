@@ -79,6 +79,18 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str | N
                          source=workdir)
 
 
+def _base_folder(model_path: str | None) -> Path | None:
+    """The local folder of the run's base model (a hub id is looked up in the HF cache), or
+    None when it is not there."""
+    if not model_path:
+        return None
+    try:
+        folder = models.hub.resolve(model_path)
+    except FileNotFoundError:
+        return None
+    return folder if folder.is_dir() else None
+
+
 def _check_out(out: str | Path, overwrite: bool) -> None:
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -112,12 +124,12 @@ def export_policy(cfg, model, step: int, out: str | Path, *, dtype: str | None =
                              f"Face form")
         log(f"note: {cfg.task.name}-task run on its built-in model: no Hugging Face tokenizer "
             f"exists for it; exported the weights and config only")
-    elif not cfg.model.path or not Path(cfg.model.path).is_dir():
+    elif not _base_folder(cfg.model.path):
         info["tokenizer"] = f"none: the base model folder {cfg.model.path!r} is not there"
         log(f"warning: the run's base model folder model.path={cfg.model.path!r} does not exist, "
             f"so no tokenizer files were copied; copy them into {out} by hand")
     else:
-        copied = copy_tokenizer_files(cfg.model.path, out)
+        copied = copy_tokenizer_files(_base_folder(cfg.model.path), out)
         info["tokenizer_files"] = copied
         problem = (_check_tokenizer(out, model.cfg.vocab_size) if copied
                    else "the base model folder has no tokenizer files")

@@ -36,7 +36,7 @@ def model_config(cfg) -> models.ModelConfig:
     """The architecture of the run's policy: model.path's config.json, else the task's built-in
     model."""
     if cfg.model.path:
-        return models.ModelConfig.from_hf_dir(cfg.model.path)
+        return models.ModelConfig.from_hf_dir(models.check_model_dir(cfg.model.path))
     plugin = registry.plugin(cfg.task.name)
     if plugin.model_config is None:
         raise config_lib.ConfigError(f"task.name={cfg.task.name} needs model.path (a Hugging "

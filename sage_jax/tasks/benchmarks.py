@@ -62,11 +62,16 @@ class Problem:
 
 
 def benchmark_path(name: str, data_dir: str | Path, layout: Literal["jsonl", "verl"]) -> Path:
-    """Where the file of benchmark `name` lives in `layout` under `data_dir`."""
+    """Where the file of benchmark `name` lives in `layout` under `data_dir`: the data folder
+    (`eval/<name>/test.jsonl`, `eval_verl/<name>.parquet`) or the benchmark folder itself
+    (`<name>/test.jsonl`, `<name>.parquet`)."""
+    data_dir = Path(data_dir)
     if layout == "jsonl":
-        return Path(data_dir) / "eval" / name / "test.jsonl"
+        inside = data_dir / name / "test.jsonl"
+        return inside if inside.is_file() else data_dir / "eval" / name / "test.jsonl"
     if layout == "verl":
-        return Path(data_dir) / "eval_verl" / f"{name}.parquet"
+        inside = data_dir / f"{name}.parquet"
+        return inside if inside.is_file() else data_dir / "eval_verl" / f"{name}.parquet"
     raise ValueError(f"unknown layout {layout!r}; expected 'jsonl' or 'verl'")
 
 
