@@ -269,6 +269,18 @@ class MeshConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingConfig(_Section):
+    """Where metrics go besides metrics.jsonl and TensorBoard: Weights & Biases."""
+
+    wandb: bool = False  # Log to W&B (needs the wandb package); WANDB_* variables apply.
+    project: str = "sage_jax"  # W&B project.
+    entity: str | None = None  # W&B team or user; None = the default of the API key.
+    name: str | None = None  # W&B run name; None = the run folder's name.
+    tags: tuple[str, ...] = ()  # W&B run tags.
+    mode: Literal["online", "offline", "disabled"] | None = None  # None = WANDB_MODE or online.
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig(_Section):
     """Hint-free evaluation: avg@k accuracy on benchmark files."""
 
@@ -340,6 +352,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
 
     def validate(self) -> None:

@@ -154,6 +154,7 @@ class MetricsLogger:
       resume_step: drop logged steps after this one (see module docstring).
       progress: show the progress bar (to ``stream``, default stderr; works without a TTY).
       console_every: also print a one-line summary every this many steps (0: never).
+      wandb_run: a `wandb_log.WandbRun` that gets every row too (finished by `close`).
     """
 
     def __init__(
@@ -167,6 +168,7 @@ class MetricsLogger:
         progress: bool = True,
         console_every: int = 0,
         stream: IO[str] | None = None,
+        wandb_run: Any = None,
     ):
         self.workdir = Path(workdir)
         self.total_steps = int(total_steps)
@@ -177,6 +179,7 @@ class MetricsLogger:
         self.groups_path = self.workdir / GROUPS_FILE
         self.tb = None
         self.bar = None
+        self.wandb_run = wandb_run if is_main else None
         self._metrics_f: IO[str] | None = None
         self._samples_f: IO[str] | None = None
         self._groups_f: IO[str] | None = None
@@ -214,6 +217,8 @@ class MetricsLogger:
             return row
         self._metrics_f.write(json.dumps(row, allow_nan=False) + "\n")
         self._metrics_f.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(step, row)
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -282,6 +287,9 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None

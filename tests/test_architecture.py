@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sage_jax"
 LAYERS = {
     "sage_jax": 0, "sage_jax.config": 0, "sage_jax.checkpoint": 0, "sage_jax.metrics": 0, "sage_jax.report": 0,
     "sage_jax.parallel": 0, "sage_jax.distributed": 0, "sage_jax.rewards": 0, "sage_jax.cli": 0,
-    "sage_jax.models": 0,
+    "sage_jax.models": 0, "sage_jax.wandb_log": 0,
     "sage_jax.core": 1,
     "sage_jax.engine": 2,
     "sage_jax.tasks": 3,
@@ -31,6 +31,7 @@ OPTIONAL = {
     "matplotlib": "plots only (not a package dependency)",
     "matplotlib.pyplot": "plots only (not a package dependency)",
     "tensorboardX": "TensorBoard logging when installed",
+    "wandb": "W&B logging with logging.wandb (an optional dependency)",
     "resource": "POSIX only",
     "jax._src": "a private JAX helper that may move (guarded by try)",
 }

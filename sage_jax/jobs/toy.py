@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from sage_jax import config as config_lib, distributed, metrics as metrics_lib, report
+from sage_jax import config as config_lib, distributed, metrics as metrics_lib, report, wandb_log
 from sage_jax.run import build, loop, restore
 from sage_jax.tasks.toy import calibrate, task as toy
 from sage_jax.tasks.toy.warm_start import spec
@@ -124,4 +124,9 @@ def after_rl(cfg, workdir: str | Path, *, start_model=None) -> str | None:
     print(text, flush=True)
     print(f"wrote {workdir / 'summary.md'} and {workdir / 'summary.png'} "
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    if cfg.logging.wandb:  # the same W&B run (its id is in the run folder)
+        run = wandb_log.WandbRun(workdir, cfg.logging)
+        run.log_summary([{"policy": name, **{f"k={k}": v for k, v in acc.items()}}
+                         for name, acc in accuracy.items()], workdir / "summary.png")
+        run.finish()
     return text

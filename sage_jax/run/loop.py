@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from sage_jax import checkpoint, config as config_lib, distributed, metrics as metrics_lib
-from sage_jax import parallel, rewards
+from sage_jax import parallel, rewards, wandb_log
 from sage_jax.engine import update
 from sage_jax.eval import evaluate as eval_lib
 from sage_jax.rl import batching, rollout
@@ -160,6 +160,8 @@ def _start(cfg, workdir: Path) -> _Run:
         config_lib.save_config(cfg, workdir / "config.yaml")
     mesh = parallel.make_mesh(cfg.mesh)
     check_fits(cfg, mesh)
+    if cfg.logging.wandb:
+        wandb_log.require()  # before any heavy work
     task = build.load_task(cfg)
     model = build.load_model(cfg)
     examples, data_stats = build.load_examples(cfg, task)
@@ -182,8 +184,10 @@ def _start(cfg, workdir: Path) -> _Run:
     start = int(state.step)
     scorer = distributed.ShardedScorer(rewards.RewardPool(  # each process scores its share
         task.reward_fn, timeout_s=cfg.rl.reward_timeout_s))
+    wandb_run = (wandb_log.WandbRun(workdir, cfg.logging, config_lib.to_dict(cfg))
+                 if cfg.logging.wandb and is_main else None)
     logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.train.steps, is_main=is_main,
-                                       resume_step=start)
+                                       resume_step=start, wandb_run=wandb_run)
     return _Run(cfg=cfg, workdir=workdir, mesh=mesh, task=task, examples=examples,
                 graphdef=graphdef, state=state, tables=state.sage.host_copy(), ckpt=ckpt,
                 step_fn=update.make_train_step(graphdef, cfg, mesh), scorer=scorer,
