@@ -449,7 +449,7 @@ class Checkpointer:
                                   f"committed steps: {self.all_steps()}")
         reader = ocp.PyTreeCheckpointer()
         try:
-            saved = reader.metadata(where / STATE_ITEM).item_metadata.tree
+            saved = self._mgr.item_metadata(int(step))[STATE_ITEM].tree
             if key not in saved:
                 raise CheckpointError(f"checkpoint {where} has no {key!r} (it holds "
                                       f"{sorted(saved)})")
