@@ -127,7 +127,7 @@ class RLConfig(_Section):
     epochs_per_batch: int = 1  # Passes over each step's rollouts.
     collapse_std: float = 0.0  # A group has collapsed when its reward std is <= this.
     success_threshold: float = 0.0  # A prompt is resolved when some answer's reward exceeds this.
-    reward: str = "math"  # Name of the verifier that scores answers.
+    reward: str | None = None  # A registered reward name instead of the task's; None = task's.
     reward_timeout_s: float = 5.0  # Verifier time limit per answer; a timeout scores 0.
     loss_context: Literal["hinted", "plain"] = "hinted"  # Prompt hinted groups are trained on.
 

@@ -12,7 +12,7 @@ from flax import nnx
 
 from sage_jax.run import loop
 from sage_jax.run import restore
-from sage_jax import checkpoint, config, train
+from sage_jax import checkpoint, config, rewards, train
 from sage_jax.metrics import read_metrics
 
 TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
@@ -176,6 +176,20 @@ def test_a_full_disk_during_save_stops_cleanly_and_keeps_the_last_checkpoint(tmp
     assert step == 1 and all(np.isfinite(v).all() for v in params.values())
     loop.train(cfg("rl.method=grpo", "train.steps=2", "train.samples_every=0"), run)
     assert checkpoint.Checkpointer(run, keep=3).all_steps() == [1, 2]  # and the run goes on
+
+
+def always_right(response, ground_truth):
+    """A registered reward for the test below (module level: the reward workers import it)."""
+    return 1.0
+
+
+def test_rl_reward_picks_a_registered_reward_and_an_unknown_one_fails_early(tmp_path):
+    rewards.register_reward("test_always_right", always_right, overwrite=True)
+    metrics = loop.train(cfg("rl.method=grpo", "train.steps=1", "rl.reward=test_always_right"),
+                         tmp_path / "run")
+    assert metrics["reward/mean"] == 1.0  # the toy task's own reward would score a random policy 0
+    with pytest.raises(config.ConfigError, match="rl.reward='nope': unknown reward 'nope'"):
+        loop.train(cfg("rl.method=grpo", "train.steps=1", "rl.reward=nope"), tmp_path / "bad")
 
 
 def test_bad_config_fails_before_compile(tmp_path):

@@ -163,6 +163,7 @@ def _start(cfg, workdir: Path) -> _Run:
     if cfg.logging.wandb:
         wandb_log.require()  # before any heavy work
     task = build.load_task(cfg)
+    reward = reward_fn(cfg, task)  # a bad rl.reward fails here, before the model loads
     model = build.load_model(cfg)
     examples, data_stats = build.load_examples(cfg, task)
     if is_main:
@@ -183,7 +184,7 @@ def _start(cfg, workdir: Path) -> _Run:
         say(f"resumed from {ckpt.step_dir(step)}")
     start = int(state.step)
     scorer = distributed.ShardedScorer(rewards.RewardPool(  # each process scores its share
-        task.reward_fn, timeout_s=cfg.rl.reward_timeout_s))
+        reward, timeout_s=cfg.rl.reward_timeout_s))
     wandb_run = (wandb_log.WandbRun(workdir, cfg.logging, config_lib.to_dict(cfg))
                  if cfg.logging.wandb and is_main else None)
     logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.train.steps, is_main=is_main,
@@ -246,6 +247,18 @@ def _step(run: _Run, step: int) -> dict:
     if cfg.train.samples_every and (step + 1) % cfg.train.samples_every == 0:
         run.logger.log_samples(step + 1, sample_records(ro, batch_examples, task))
     return metrics
+
+
+def reward_fn(cfg, task):
+    """The run's reward: `rl.reward` (a name given to `rewards.register_reward`), else the
+    task's own."""
+    if cfg.rl.reward is None:
+        return task.reward_fn
+    try:
+        return rewards.get_reward(cfg.rl.reward)
+    except KeyError as e:
+        raise config_lib.ConfigError(f"rl.reward={cfg.rl.reward!r}: {e.args[0]}",
+                                     key="rl.reward") from None
 
 
 def load_eval_problems(cfg) -> dict:
