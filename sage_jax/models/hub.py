@@ -49,8 +49,8 @@ def _offline() -> bool:
 def resolve(path: str | Path) -> Path:
     """The local folder of `path`: itself when it exists, else the snapshot of the hub id
     (downloaded, or from the cache when offline). FileNotFoundError when neither works."""
-    if Path(path).exists() or not is_hub_id(path):
-        return Path(path)
+    if Path(path).expanduser().exists() or not is_hub_id(path):
+        return Path(path).expanduser()
     repo_id, _, revision = str(path).partition("@")
     cache = cache_dir()
     try:

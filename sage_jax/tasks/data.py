@@ -60,6 +60,7 @@ def _sources(files: tuple[str, ...] | list[str], fmt: str) -> list[tuple[str, st
         if fmt == "hub":
             sources.append((spec, "hub"))
             continue
+        spec = str(Path(spec).expanduser()) if spec.startswith("~") else spec
         paths = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
         if not paths:
             raise DataError(f"data.train_files pattern {spec!r} matches no files")
