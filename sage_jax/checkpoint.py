@@ -338,7 +338,7 @@ class Checkpointer:
             saved = self._mgr.save(step, args=args, force=True)
         except Exception as e:
             full = any(m in str(e) for m in ("No space left", "File too large", "Disk quota"))
-            why = "the disk is full (or a file-size limit was hit): " if full else ""
+            why = "The disk is full (or a file-size limit was hit): " if full else ""
             kept = (f"the last good checkpoint (step {latest}) is intact" if latest is not None
                     else "no earlier checkpoint exists")
             raise CheckpointError(
