@@ -1,19 +1,7 @@
-"""A run's policy as a plain Hugging Face checkpoint (`python -m sage_jax.export` drives it).
-
-Writes DIR/config.json and DIR/model.safetensors (the policy's parameters at the checkpoint's
-step; latest step by default) plus the base model's tokenizer files copied from the run's
-`model.path` (tokenizer*.json, vocab/merges, tokenizer.model, special_tokens_map.json,
-added_tokens.json, chat template files, generation_config.json and licence files), so that
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`
-load it and serving stacks (vLLM, SGLang, TGI) can run it. DIR/sage_export.json records where it
-came from.
-
-Hints are a training-time device only: the policy is the same network with or without them, so
-the export is the hint-free policy, prompted with the bare problem.
-
-A toy-task run has no Hugging Face tokenizer (its tokenizer is the library's character-level
-`CharTokenizer`): the export then holds the weights and config only, and says so.
-"""
+"""A run's policy as a plain Hugging Face folder: config.json, model.safetensors (the
+checkpoint's parameters), the base model's tokenizer, generation-config and licence files
+(`TOKENIZER_PATTERNS`) and sage_export.json (where it came from). What the folder is for and
+what it holds for a toy-task run: `python -m sage_jax.export --help`."""
 
 from __future__ import annotations
 
