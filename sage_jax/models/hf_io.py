@@ -10,7 +10,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from sage_jax.models import hub
+from sage_jax.models.hub import resolve as resolve_hub_path
 from sage_jax.models.config import ModelConfig
 from sage_jax.models.decoder import Decoder
 
@@ -26,7 +26,7 @@ def check_model_dir(path: str | Path) -> Path:
     """The Hugging Face model folder of `path` (a folder, or a hub id `org/name[@revision]`
     fetched into the HF cache: `hub.resolve`) when it holds a config.json; else
     FileNotFoundError."""
-    path = hub.resolve(path)
+    path = resolve_hub_path(path)
     if not path.exists():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not path.is_dir():
