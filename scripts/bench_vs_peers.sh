@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Our sampler and update benchmarks next to tunix's and transformers' on one workload, in one
 # sitting (one JSON line each on stdout; discard lines marked "contended": true).
-#   scripts/bench_vs_peers.sh [workload]        # default: small
+#   scripts/bench_vs_peers.sh [workload]        # default: small; also tiny, real
+# real: SmolLM2-135M-Instruct on GSM8K prompts (SMOL_HF=<folder from scripts/get_smollm2.py>);
+#   ours, then transformers `generate` (static batch) and `generate_batch` (continuous).
 # Env: PY (python with sage_jax; default python3), TUNIX_PY (python with google-tunix),
 #      TORCH_PY (python with torch==2.13.0 + transformers), PEERS_DIR (default ../shared/bench/peers).
 set -u
@@ -11,5 +13,11 @@ PEERS_DIR="${PEERS_DIR:-$HERE/../shared/bench/peers}"
 PY="${PY:-python3}"
 "$PY" -m sage_jax.bench sampler --workload "$WORKLOAD" --json --peers-dir "$PEERS_DIR" | tail -n 1
 "$PY" -m sage_jax.bench update --workload "$WORKLOAD" --json --peers-dir "$PEERS_DIR" | tail -n 1
-PEERS="tunix hf-torch tunix-grpo" TUNIX_PY="${TUNIX_PY:-python3}" TORCH_PY="${TORCH_PY:-$PY}" \
-  bash "$PEERS_DIR/run.sh" "$WORKLOAD"
+if [ "$WORKLOAD" = real ]; then
+  for mode in static continuous; do
+    "${TORCH_PY:-$PY}" "$PEERS_DIR/hf_real_generate.py" "$mode" real | tail -n 1
+  done
+else
+  PEERS="tunix hf-torch tunix-grpo" TUNIX_PY="${TUNIX_PY:-python3}" TORCH_PY="${TORCH_PY:-$PY}" \
+    bash "$PEERS_DIR/run.sh" "$WORKLOAD"
+fi

@@ -135,26 +135,31 @@ def test_state_bytes_match_live_arrays():
 @pytest.mark.parametrize("sizes", [None, (2, 2, 2)])
 def test_kv_cache_matches_what_the_sampler_allocates(monkeypatch, sizes):
     """The estimate equals, per device, the prompt and generated-token caches that
-    `sampling.sample` hands its programs, buckets included (5 prompts -> 8 rows, 20 tokens ->
-    32 columns, 13 new tokens -> 16 slots); on a mesh rows split over data*fsdp, KV heads over
-    tensor (None: no mesh, one device)."""
-    seen = {}
-    real = sampling._programs
+    `sampling.sample` hands its programs, buckets included (5 prompts -> 8 prompt rows of 3
+    answers, 20 tokens -> 32 columns, 13 new tokens -> 16 slots, allocated at once); on a mesh
+    rows split over data*fsdp, KV heads over tensor (None: no mesh, one device). The state of
+    fewer rows that a regroup builds (15 live rows -> 16) fits the estimated transient."""
+    seen = {"regroup": []}
+    real = sampling._jitted
 
-    def spy(graphdef, st, *lay):
-        prefill, decode = real(graphdef, st, *lay)
+    def spy(kind, *args):
+        fn = real(kind, *args)
 
-        def prefill_spy(params, cache, *args):
-            seen["prompt"] = device_bytes(cache)
-            return prefill(params, cache, *args)
+        def call(*a):
+            if kind == "prefill":  # (before the call: the cache is donated)
+                seen["prompt"] = device_bytes(a[1])
+            out = fn(*a)
+            if kind == "start":
+                seen["gen"] = device_bytes((out[0].gen_k, out[0].gen_v))
+            elif kind == "regroup":
+                st = out
+                seen["regroup"].append(device_bytes((st.prompt_k, st.prompt_v, st.gen_k,
+                                                     st.gen_v)))
+            return out
 
-        def decode_spy(params, gen_kv, *args):
-            seen["gen"] = device_bytes(gen_kv)
-            return decode(params, gen_kv, *args)
+        return call
 
-        return prefill_spy, decode_spy
-
-    monkeypatch.setattr(sampling, "_programs", spy)
+    monkeypatch.setattr(sampling, "_jitted", spy)
     cfg = make_cfg("bfloat16", True)
     mesh = make_mesh(sizes or (1, 1, 1))
     graphdef, state = update.init_train_state(make_model(cfg), cfg, mesh)
@@ -164,13 +169,15 @@ def test_kv_cache_matches_what_the_sampler_allocates(monkeypatch, sizes):
     sampling.sample(graphdef, state.params, tok, mask, key=jax.random.PRNGKey(0), num_samples=3,
                     max_new_tokens=13, mesh=None if sizes is None else mesh)
     mesh_shape = dict(zip(parallel.AXES, sizes or (1, 1, 1)))
-    cache, _ = memory.kv_cache_bytes(MODEL, memory.fake_mesh(mesh_shape), prompts=5,
-                                     group_size=3, prompt_len=20, max_new_tokens=13,
-                                     dtype=jnp.bfloat16)
+    cache, work = memory.kv_cache_bytes(MODEL, memory.fake_mesh(mesh_shape), prompts=5,
+                                        group_size=3, prompt_len=20, max_new_tokens=13,
+                                        dtype=jnp.bfloat16)
     index = 4  # the cache's int32 next-slot scalar (replicated), not counted
     assert cache + index == seen["prompt"] + seen["gen"]
+    assert seen["regroup"] and max(seen["regroup"]) <= work
     if sizes is None:  # 2 layers x (k, v) x 2 kv heads x 16 dims x 2 bytes x slots, + mask
         assert cache == 2 * 2 * 2 * 16 * 2 * (8 * 32 + 8 * 3 * 16) + 8 * 32
+        assert max(seen["regroup"]) == 2 * 2 * 2 * 16 * 2 * 16 * (32 + 16)
 
 
 def test_kv_cache_splits_rows_and_heads():

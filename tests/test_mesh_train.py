@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sage_jax.run import loop
 from sage_jax.rl import batching, rollout
@@ -100,9 +99,8 @@ def reference():
 def test_training_step_on_a_mesh_equals_one_device(shape, reference, capsys):
     got = one_step(shape)
     ref = reference
-    # The sampler's outputs live on the mesh, rows split over data x fsdp.
-    rows = NamedSharding(got["mesh"], P(parallel.ROWS))
-    assert got["greedy"].tokens.sharding.is_equivalent_to(rows, 3), got["greedy"].tokens.sharding
+    # The sampler decodes on the mesh and hands back host arrays (every process gets them all).
+    assert isinstance(got["greedy"].tokens, np.ndarray)
     # Rollout: the same tokens (sampled with per-row keys, then greedy), rewards, hint levels.
     for k in ("tokens", "lengths"):
         np.testing.assert_array_equal(getattr(got["samples"], k), getattr(ref["samples"], k))

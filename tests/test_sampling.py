@@ -9,7 +9,7 @@ from flax import nnx
 
 from hf_reference import TINY_CONFIGS, make_hf_model
 from sage_jax import models
-from sage_jax.engine import sampling
+from sage_jax.engine import decode, sampling
 
 
 def _tiny(vocab=97, seed=0, **kw):
@@ -118,7 +118,7 @@ def test_same_key_same_tokens_independent_of_batch_and_bucket():
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
     # The same prompts among 9 others (batch bucket 8 -> 16) and with a 40-token prompt in the
-    # batch (prompt bucket 16 -> 64), at other positions: the same rows come out.
+    # batch (prompt bucket 16 -> 48), at other positions: the same rows come out.
     extra = _prompts(97, [5, 40, 3, 8, 12, 2, 7, 9, 4], seed=4)
     big = [extra[0], base[2], extra[1], extra[2], base[0], *extra[3:8], base[1], extra[8]]
     ids = [100, 2, 101, 102, 0, 103, 104, 105, 106, 107, 1, 108]
@@ -185,14 +185,15 @@ def test_second_batch_in_the_same_bucket_does_not_recompile():
     graphdef, _ = nnx.split(model)
     st = sampling._Static(num_samples=2, max_new_tokens=6, temperature=0.9, top_p=1.0, top_k=0,
                           eos_ids=(4,), pad_id=0)
-    prefill, decode = sampling._programs(graphdef, st)
-    sizes = (prefill._cache_size(), decode._cache_size())
-    # Other prompts, another count and other lengths, same buckets (8 prompts, 16 tokens).
-    sampling.generate(model, _prompts(97, [14, 2, 7, 16, 1], seed=8), **kw,
+    prefill = sampling._jitted("prefill", graphdef, None, None)
+    segment = sampling._jitted("segment", graphdef, st, None, sampling.DECODE_SEGMENT)
+    sizes = (prefill._cache_size(), segment._cache_size())
+    # Other prompts of other lengths, same buckets (8 prompts, 16 tokens, 8 rows of 6 live).
+    sampling.generate(model, _prompts(97, [14, 2, 16], seed=8), **kw,
                       key=jax.random.PRNGKey(5))
     assert sampling.TRACE_COUNTS == before
-    assert (prefill._cache_size(), decode._cache_size()) == sizes
-    # A new bucket (128 prompt tokens, used by no other test) does compile: the counter works.
+    assert (prefill._cache_size(), segment._cache_size()) == sizes
+    # A new bucket (112 prompt tokens, used by no other test) does compile: the counter works.
     sampling.generate(model, _prompts(97, [100], seed=9), **kw)
     assert sampling.TRACE_COUNTS["prefill"] == before["prefill"] + 1
     assert sampling.TRACE_COUNTS["decode"] == before["decode"] + 1
@@ -290,8 +291,13 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_buckets():
-    assert [sampling.prompt_bucket(n) for n in (1, 16, 17, 64, 65, 1000)] == [16, 16, 32, 64,
-                                                                              128, 1024]
+    assert [sampling.prompt_bucket(n) for n in (1, 16, 17, 64, 65, 141, 1000)] == [
+        16, 16, 32, 64, 80, 144, 1024]
+    assert [sampling.row_bucket(n) for n in (1, 8, 9, 13, 17, 25, 33, 100)] == [
+        8, 8, 12, 16, 24, 32, 48, 128]
+    assert [sampling.row_bucket(n, shards=8) for n in (1, 9, 17, 25)] == [8, 16, 24, 32]
+    assert [sampling.slot_bucket(n, 384) for n in (1, 16, 33, 200, 300)] == [32, 32, 64, 256,
+                                                                             384]
     assert [sampling.batch_bucket(n) for n in (1, 8, 9, 128, 129)] == [8, 8, 16, 128, 256]
 
 
@@ -301,8 +307,8 @@ def test_chunked_prefill_of_long_prompts_gives_the_same_result(monkeypatch):
     kw = dict(max_new_tokens=12, num_samples=3, temperature=1.0, eos_token_id=5)
     whole = sampling.generate(model, prompts, **kw)
     # 8 prompt rows of 32 tokens: a budget of two rows' scores prefills 4 chunks of 2.
-    monkeypatch.setattr(sampling, "PREFILL_SCORES_BYTES", 2 * 4 * 32 * 32 * 4)
-    assert sampling._prefill_rows(model.cfg, 8, 32) == 2
+    monkeypatch.setattr(decode, "PREFILL_SCORES_BYTES", 2 * 4 * 32 * 32 * 4)
+    assert decode.prefill_rows(model.cfg, 8, 32) == 2
     monkeypatch.setattr(sampling, "_JITTED", {})  # fresh programs, traced with the new budget
     chunked = sampling.generate(model, prompts, **kw)
     np.testing.assert_array_equal(chunked.tokens, whole.tokens)

@@ -1,11 +1,16 @@
 """Sampler throughput on a peer workload: `python -m sage_jax.bench sampler --workload small`.
 
-Times one `sampling.sample` call over the workload's prompts (num_prompts x samples_per_prompt
-rows, prompt_len tokens each, exactly max_new_tokens new tokens: no EOS id is given, so no row
-stops early) with the peers' protocol (`_common.time_calls`: quiet-machine wait, warm-up calls,
-median of the timed calls) and prints their JSON line (`_common.emit`, peer "sage_jax") with
-generated tokens/s and the process's peak RSS. The warm-up call includes compilation; compile
-time is reported separately as "compile_s".
+Times one `sampling.sample` call over the workload's prompts with the peers' protocol
+(`_common.time_calls`: quiet-machine wait, warm-up calls, median of the timed calls) and prints
+their JSON line (`_common.emit`, peer "sage_jax") with tokens/s and the process's peak RSS. The
+warm-up call includes compilation; compile time is reported separately as "compile_s".
+
+* Synthetic workloads (`small`, `tiny`): num_prompts x samples_per_prompt rows of random
+  prompt ids, exactly max_new_tokens new tokens (no EOS id is given, so no row stops early).
+* `real`: SmolLM2-135M-Instruct on GSM8K chat prompts, greedy, stopping at EOS
+  (`bench.real`); tokens/s counts useful tokens (each row's tokens up to and including its EOS),
+  `lengths_sha1` identifies the outputs (the peers print the same), and `decode_waste` is the
+  share of the decode programs' row-steps spent on padding or finished rows.
 """
 
 from __future__ import annotations
@@ -16,8 +21,40 @@ import jax
 import numpy as np
 
 from sage_jax import models
-from sage_jax.engine import sampling
+from sage_jax.bench import real, update as update_bench
 from sage_jax.bench.common import build_model, peers_module
+from sage_jax.engine import sampling
+
+
+def _synthetic(peers, w, seed):
+    """(model, prompts_BxP, mask_BxP, eos ids, check) of a random-model workload."""
+    prompts = peers.make_prompts(w).astype(np.int32)  # [num_prompts, prompt_len], ids >= 1
+    new = w["sampling"]["max_new_tokens"]
+
+    def check(out):
+        if (out.lengths != new).any():
+            raise RuntimeError(f"unequal work: generated lengths {sorted(set(out.lengths.flat))}")
+
+    return build_model(w, seed=seed), prompts, np.ones(prompts.shape, bool), (), check, {}
+
+
+def _real(peers, w):
+    """The same for the `real` workload, plus the lengths hash and the decode waste."""
+    model, prompts, eos, script = real.load(peers, w)
+    width = max(map(len, prompts))
+    tok, mask = sampling.left_pad(prompts, width, eos)
+    extra = {}
+
+    def check(out):
+        lengths = out.lengths.reshape(-1)
+        useful = int(lengths.sum())
+        decoded = useful - lengths.size  # each row's first token comes from the prefill
+        extra.update(useful_tokens=useful, lengths_sha1=script.lengths_sha1(lengths.tolist()),
+                     max_len=int(lengths.max()), mean_len=useful / lengths.size,
+                     decode_row_steps=out.decode_row_steps,
+                     decode_waste=round(1 - decoded / max(out.decode_row_steps, 1), 4))
+
+    return model, tok, mask, (eos,), check, extra
 
 
 def run(args):
@@ -25,21 +62,19 @@ def run(args):
     w = peers.load_workload(args.workload)
     s, seed = w["sampling"], w["timing"].get("seed", 0)
     t0 = time.perf_counter()
-    graphdef, params = models.split(build_model(w, seed=seed))
+    model, prompts, mask, eos, check, extra = (
+        _real(peers, w) if "model_dir_env" in w["model"]
+        else _synthetic(peers, w, seed))
+    graphdef, params = models.split(model)
     build_s = time.perf_counter() - t0
-
-    prompts = peers.make_prompts(w).astype(np.int32)  # [num_prompts, prompt_len], ids >= 1
-    mask = np.ones(prompts.shape, bool)
     g, new = s["samples_per_prompt"], s["max_new_tokens"]
     knobs = dict(temperature=float(s["temperature"]), top_p=float(s["top_p"]),
                  top_k=int(s.get("top_k") or 0))
 
     def call(i):
         out = sampling.sample(graphdef, params, prompts, mask, key=jax.random.PRNGKey(i),
-                              num_samples=g, max_new_tokens=new, eos_ids=(), pad_id=0, **knobs)
-        lengths = np.asarray(jax.block_until_ready(out).lengths)
-        if lengths.shape != (len(prompts), g) or (lengths != new).any():
-            raise RuntimeError(f"unequal work: generated lengths {sorted(set(lengths.flat))}")
+                              num_samples=g, max_new_tokens=new, eos_ids=eos, pad_id=0, **knobs)
+        check(out)
         return out
 
     t0 = time.perf_counter()
@@ -48,13 +83,23 @@ def run(args):
     peers.log(f"sage_jax jax {jax.__version__} devices={jax.devices()} build {build_s:.2f}s "
               f"compile+first call {compile_s:.2f}s")
     warm, times = peers.time_calls(call, w)
+    # Matmul work: 2 FLOPs per weight per token, prompts once (no LM head: only their last
+    # position's logits), generated tokens each with the LM head; attention not counted.
+    c = model.cfg
+    body = c.num_params() - c.vocab_size * c.hidden_size
+    generated = extra.get("useful_tokens") or prompts.shape[0] * g * new
+    flops = 2.0 * (body * int(mask.sum()) + c.num_params() * generated)
+    matmul = update_bench.matmul_flops_per_s()
+    extra.update(model_flops_per_s=round(flops / float(np.median(times)), 1),
+                 matmul_flops_per_s=round(matmul, 1),
+                 model_flops_vs_matmul=round(flops / float(np.median(times)) / matmul, 3))
     rec = peers.emit(
-        "sage_jax", args.workload, w, warm, times,
+        "sage_jax", args.workload, w, warm, times, tokens_per_call=extra.get("useful_tokens"),
         extra={"build_s": round(build_s, 3), "compile_s": round(compile_s, 3),
                "versions": {"jax": jax.__version__}, "backend": jax.default_backend(),
                "prompt_bucket": sampling.prompt_bucket(prompts.shape[1]),
-               "batch_bucket": sampling.batch_bucket(prompts.shape[0])})
+               "batch_bucket": sampling.batch_bucket(prompts.shape[0]), **extra})
     if not args.json:
-        peers.log(f"sage_jax sampler on {args.workload!r}: {rec['tokens_per_s']:,.0f} generated "
+        peers.log(f"sage_jax sampler on {args.workload!r}: {rec['tokens_per_s']:,.0f} "
                   f"tokens/s (median of {len(times)}), peak RSS {rec['peak_rss_mb']:.0f} MB")
     return rec

@@ -8,6 +8,12 @@ prompts, quiet-machine wait, warm-up and median timing (`_common.time_calls`) an
 tunix GRPO-step peer does. Also reports the step's model FLOP/s next to a plain matmul's, and
 tokens/s per core this process got (`cpu_during_timed.own_cores`), for contended machines.
 
+On the `real` workload (`bench.real`: SmolLM2-135M-Instruct, GSM8K chat prompts) the rows are
+the sampler's own greedy answers to the prompts (sampled once, untimed), each prompt + answer,
+right-padded to a `sampling.length_bucket` as the trainer's batches are; tokens_per_s counts
+real (prompt + answer) tokens, and "padding_share" is the share of the batch's token slots that
+are padding.
+
 Settings (environment): SAGE_JAX_BENCH_MICRO rows per micro-batch (16), SAGE_JAX_BENCH_CHUNK
 sequence columns per logits chunk (64), SAGE_JAX_BENCH_REMAT_LOGITS recompute chunk logits in the
 backward pass (1, the library default).
@@ -23,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import config as config_lib, parallel
-from sage_jax.engine import update
-from sage_jax.bench import common
+from sage_jax import config as config_lib, models, parallel
+from sage_jax.bench import common, real
+from sage_jax.engine import sampling, update
 
 MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch
 CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
@@ -57,32 +63,62 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / statistics.median(times)
 
 
+def _synthetic_rows(pc, w):
+    """(model, tokens_NxL, mask_NxL, loss_mask_NxL): random prompts and answers, no padding."""
+    s = w["sampling"]
+    g, p, t = s["samples_per_prompt"], s["prompt_len"], s["max_new_tokens"]
+    rng = np.random.default_rng(w["timing"].get("seed", 0))
+    prompts = np.repeat(pc.make_prompts(w), g, axis=0)
+    answers = rng.integers(1, w["model"]["vocab_size"], (len(prompts), t))
+    tokens = np.concatenate([prompts, answers], axis=1).astype(np.int32)
+    loss_mask = np.arange(p + t)[None].repeat(len(tokens), 0) >= p
+    return common.build_model(w), tokens, np.ones(tokens.shape, bool), loss_mask
+
+
+def _real_rows(pc, w):
+    """The same from the sampler's greedy answers to the real workload's prompts."""
+    model, prompts, eos, _ = real.load(pc, w)
+    s = w["sampling"]
+    graphdef, params = models.split(model)
+    tok, mask = sampling.left_pad(prompts, max(map(len, prompts)), eos)
+    out = sampling.sample(graphdef, params, tok, mask, key=jax.random.PRNGKey(0),
+                          num_samples=1, max_new_tokens=s["max_new_tokens"], temperature=0.0,
+                          eos_ids=(eos,), pad_id=eos)
+    answers = [out.tokens[i, 0, :n].tolist() for i, n in enumerate(out.lengths[:, 0])]
+    width = sampling.length_bucket(max(len(p) + len(a) for p, a in zip(prompts, answers)))
+    tokens = np.full((len(prompts), width), eos, np.int32)
+    mask = np.zeros(tokens.shape, bool)
+    loss_mask = np.zeros(tokens.shape, bool)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[i, :len(p) + len(a)] = p + a
+        mask[i, :len(p) + len(a)] = True
+        loss_mask[i, len(p):len(p) + len(a)] = True
+    return model, tokens, mask, loss_mask
+
+
 def run(args) -> None:
     pc = common.peers_module(args.peers_dir)
     w = pc.load_workload(args.workload)
     s = w["sampling"]
-    b, g, p, t = s["num_prompts"], s["samples_per_prompt"], s["prompt_len"], s["max_new_tokens"]
-    rows, seq = b * g, p + t
+    is_real = "model_dir_env" in w["model"]
+    model, tokens, mask, loss_mask = (_real_rows if is_real else _synthetic_rows)(pc, w)
+    (rows, seq), t = tokens.shape, s["max_new_tokens"]
     micro = min(MICRO_BATCH, rows)
     cfg = config_lib.Config(
         model=config_lib.ModelConfig(dtype="float32", compute_dtype="float32", remat=False),
-        rl=config_lib.RLConfig(method="grpo", prompts_per_step=b, group_size=g,
-                               max_new_tokens=t, minibatches=1, micro_batch_size=micro),
+        rl=config_lib.RLConfig(method="grpo", prompts_per_step=rows // s["samples_per_prompt"],
+                               group_size=s["samples_per_prompt"], max_new_tokens=t,
+                               minibatches=1, micro_batch_size=micro),
         mesh=config_lib.MeshConfig(data=-1))
     mesh = parallel.make_mesh(cfg.mesh)
-    graphdef, state = update.init_train_state(common.build_model(w), cfg, mesh)
-
+    graphdef, state = update.init_train_state(model, cfg, mesh)
     rng = np.random.default_rng(w["timing"].get("seed", 0))
-    prompts = np.repeat(pc.make_prompts(w), g, axis=0)
-    answers = rng.integers(1, w["model"]["vocab_size"], (rows, t))
-    tokens = np.concatenate([prompts, answers], axis=1).astype(np.int32)
-    mask = np.ones((rows, seq), bool)
-    loss_mask = np.arange(seq)[None].repeat(rows, 0) >= p
     old = update.make_logprob_fn(graphdef, mesh, micro_batch_size=micro, chunk=CHUNK)(
         state.params, tokens, mask, loss_mask)
     batch = parallel.shard_batch(dict(
         tokens_NxL=tokens, mask_NxL=mask, loss_mask_NxL=loss_mask, old_logp_NxL=np.asarray(old),
         advantages_N=rng.standard_normal(rows).astype(np.float32)), mesh)
+    real_tokens = int(mask.sum())
     step = update.make_train_step(graphdef, cfg, mesh, chunk=CHUNK, remat_logits=REMAT)
     losses = []
 
@@ -95,26 +131,29 @@ def run(args) -> None:
             raise RuntimeError(f"non-finite loss or grad norm: {metrics}")
 
     warm, times = pc.time_calls(call, w)
-    flops = model_flops(w, rows, seq)
+    flops = model_flops(w, rows, seq) if not is_real else None
     mm = matmul_flops_per_s()
     med = statistics.median(times)
     extra = {
-        "metric": "(prompt+answer) tokens per second of one jitted GRPO update step "
+        "metric": "real (prompt+answer) tokens per second of one jitted GRPO update step "
                   "(fwd+bwd+AdamW, old log-probs given)",
-        "answer_tokens_per_s": round(rows * t / med, 2),
-        "seq_len": seq, "micro_batch_size": micro, "logits_chunk": CHUNK, "remat_logits": REMAT,
-        "devices": len(jax.devices()), "model_flops_per_step": flops,
-        "model_flops_per_s": round(flops / med, 1), "matmul_flops_per_s": round(mm, 1),
-        "model_flops_vs_matmul": round(flops / med / mm, 3),
+        "answer_tokens_per_s": round(int(loss_mask.sum()) / med, 2),
+        "seq_len": seq, "rows": rows, "real_tokens": real_tokens,
+        "padding_share": round(1 - real_tokens / (rows * seq), 4),
+        "micro_batch_size": micro, "logits_chunk": CHUNK, "remat_logits": REMAT,
+        "devices": len(jax.devices()), "matmul_flops_per_s": round(mm, 1),
         "tokens_per_s_per_own_core": round(
-            rows * seq / med / max(pc.LAST_CPU.get("own_cores") or 1.0, 0.01), 1),
+            real_tokens / med / max(pc.LAST_CPU.get("own_cores") or 1.0, 0.01), 1),
         "losses": [round(x, 6) for x in losses],
         "versions": {"jax": jax.__version__},
     }
+    if flops is not None:
+        extra.update(model_flops_per_step=flops, model_flops_per_s=round(flops / med, 1),
+                     model_flops_vs_matmul=round(flops / med / mm, 3))
     rec = pc.emit("sage_jax-update", args.workload, w, warm, times, extra=extra,
-                  tokens_per_call=rows * seq) if args.json else None
+                  tokens_per_call=real_tokens) if args.json else None
     if not args.json:
-        pc.log(f"update {args.workload}: {rows * seq / med:,.0f} tokens/s, median {med:.3f}s, "
-               f"peak RSS {pc.peak_rss_mb():,.0f} MB, model {flops / med / 1e9:.1f} GFLOP/s vs "
-               f"matmul {mm / 1e9:.1f} GFLOP/s")
+        pc.log(f"update {args.workload}: {real_tokens / med:,.0f} real tokens/s, median "
+               f"{med:.3f}s, padding {1 - real_tokens / (rows * seq):.1%}, peak RSS "
+               f"{pc.peak_rss_mb():,.0f} MB, matmul {mm / 1e9:.1f} GFLOP/s")
     return rec

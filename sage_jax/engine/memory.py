@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sage_jax import models, parallel
-from sage_jax.engine import sampling, update
+from sage_jax.engine import decode, placement, sampling, update
 from sage_jax.config import OptimConfig
 from sage_jax.engine.state import TrainState, master_params
 
@@ -50,14 +50,16 @@ class Estimate:
     grads: the gradient accumulator of `update._accumulate` (the state params' dtype and
       sharding).
     sampler_weights: the weights as the sampler's programs hold them: the state's params (masters
-      included) regathered over fsdp, still split over tensor (`sampling.SAMPLER_RULES`); 0
+      included) regathered over fsdp, still split over tensor (`placement.SAMPLER_RULES`); 0
       with fsdp = 1, where the state's own shards are used.
     kv_cache: the sampler's prompt cache [P', P'', K/tp, H] and generated-token cache
       [P', K/tp, G, H, S] per layer (k and v), in the model dtype, P' = batch bucket of P prompts
-      split over data*fsdp, P'' = prompt bucket, S = max_new_tokens - 1 rounded up to 8.
-    sampler_work: the largest transient of a sampling call: the decode loop's transposed copy of
-      the prompt cache plus its [P'*G, V] float32 logits, or the prefill's chunk of attention
-      scores, whichever is larger.
+      split over data*fsdp, P'' = prompt bucket, S = max_new_tokens - 1 rounded up to 8 (the
+      size the cache grows to while rows keep running).
+    sampler_work: the largest transient of a sampling call: the decode start's transposed copy
+      of the prompt cache plus its [P'*G, V] float32 logits, the prefill's chunk of attention
+      scores, the half-size cache alive while the cache doubles to S, or the state of fewer rows
+      (one per group, prompt copied) built while the old one lives, whichever is largest.
     activations: what one micro-batch of the update keeps for and uses in its backward pass.
     """
 
@@ -164,16 +166,27 @@ def kv_cache_bytes(cfg: models.ModelConfig, mesh, *, prompts: int, group_size: i
     """(cache bytes, largest transient) of `sampling.sample` for `prompts` prompts; see
     `Estimate.kv_cache` and `Estimate.sampler_work`."""
     b = sampling.batch_bucket(prompts)
-    p, s = sampling.prompt_bucket(prompt_len), sampling._gen_slots(max_new_tokens)
-    rows, k = _split(b, _row_shards(mesh)), _split(cfg.num_kv_heads, mesh.shape["tensor"])
+    p, s = sampling.prompt_bucket(prompt_len), sampling.gen_slots(max_new_tokens)
+    shards = _row_shards(mesh)
+    rows, k = _split(b, shards), _split(cfg.num_kv_heads, mesh.shape["tensor"])
     kv_row = 2 * k * cfg.head_dim * _itemsize(dtype)  # k and v of one slot, one layer
     prompt = cfg.num_layers * rows * p * kv_row
     cache = prompt + cfg.num_layers * rows * group_size * s * kv_row + rows * p  # + mask
     logits = LOGIT_COPIES * rows * group_size * cfg.vocab_size * F32  # rows split, V whole
-    chunk = sampling._prefill_rows(cfg, b, p)  # prompts per prefill chunk (global)
-    scores = (2 * _split(chunk, _row_shards(mesh)) * _split(cfg.num_heads, mesh.shape["tensor"])
+    chunk = decode.prefill_rows(cfg, b, p)  # prompts per prefill chunk (global)
+    scores = (2 * _split(chunk, shards) * _split(cfg.num_heads, mesh.shape["tensor"])
               * p * p * F32)  # float32 scores and softmax of one chunk, one layer
-    return cache, max(prompt + logits, scores)
+    # The cache grows by doubling: the last growth holds the half-size cache next to the full.
+    half = max((x for x in map(lambda c: sampling.slot_bucket(c, max_new_tokens), range(1, s))
+                if x < s), default=0)
+    grow = cfg.num_layers * rows * group_size * half * kv_row
+    # Dropping finished rows builds the state of fewer rows (one per group, its prompt copied)
+    # while the old one lives: at most the largest row bucket below all the rows.
+    total = b * group_size
+    fewer = max((x for x in map(lambda n: sampling.row_bucket(n, shards), range(1, total))
+                 if x < total), default=0)
+    regroup = cfg.num_layers * _split(fewer, shards) * (p + s) * kv_row
+    return cache, max(prompt + logits, scores, grow, regroup)
 
 
 def _layer_saved_per_token(cfg, c: int, tp: int, s: int) -> int:
@@ -272,7 +285,7 @@ def estimate(model_cfg: models.ModelConfig, *, mesh_shape: dict, rows_per_step: 
         logprob_chunk=logprob_chunk)
     gathered = 0
     if mesh.shape["fsdp"] > 1:
-        gathered = tree_bytes(state.params, mesh, rules=sampling.SAMPLER_RULES)
+        gathered = tree_bytes(state.params, mesh, rules=placement.SAMPLER_RULES)
     return Estimate(params=params, master=state_params - params,
                     optimizer=tree_bytes(state.opt_state, mesh), grads=state_params,
                     sampler_weights=gathered, kv_cache=kv, sampler_work=work,

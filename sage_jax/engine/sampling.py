@@ -1,43 +1,39 @@
-"""Jit-compiled sampling: prefill + `lax.while_loop` decode with explicit KV caches.
+"""Jit-compiled sampling: prefill, then decode in segments that drop finished rows.
 
 Shapes: B prompts, G samples per prompt, R = B*G rows (prompt-major: row b*G + g), P prompt
-length, T = max_new_tokens, V vocab, L layers, K kv heads, H head dim.
+length, T = max_new_tokens, V vocab.
 
 Two entry points:
 
 * `sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples=G, ...)` -- the
   array-level API the trainer uses. Works on the `(graphdef, params)` pytree (no host round trip
-  of the weights) and returns a `SampleOutput` of device arrays shaped [B, G, T] / [B, G].
+  of the weights) and returns a `SampleOutput` of host arrays shaped [B, G, T] / [B, G].
 * `generate(model, prompts, ...)` -- convenience for users and tests: a `Decoder` and a list of
   token-id lists of varying lengths; returns numpy arrays with one row per sample, [N*G, T],
   prompt-major (row n*G + g is sample g of prompt n).
 
-How a call runs:
+How a call runs (the device programs are in `decode`):
 
 1. Bucketing. Prompts are left-padded (mask True on the valid suffix). The prompt length is
-   rounded up to a power of two >= 16 (16, 32, 64, 128, ...) and the number of prompts to a power
-   of two >= 8 (8, 16, 32, 64, ...); padding rows are marked finished from the start and dropped
-   from the output. A training run therefore compiles one program per (prompt bucket, batch
-   bucket) pair that it meets -- a handful -- instead of one per step. `num_samples`,
-   `max_new_tokens` and the sampling knobs (below) are static as well.
-2. Prefill (jitted; its [B, P] `KVCache` is donated and filled in place): the B prompts run once
-   through the model -- a prompt is never prefilled G times -- and only the last position's logits
-   are computed (no [B, P, V] logits).
-3. Decode (jitted; the generated-token cache -- per layer k [B, K, G, H, T'] and v
-   [B, K, G, T', H], T' = T - 1 rounded up to 8 -- is donated and carried through a
-   `lax.while_loop`, so it is updated in place; no host synchronisation inside). Each step feeds
-   one token per row through the model's own layers (its norms, projections, RoPE and MLP; only
-   the attention core is specialised here): a row attends to its prompt's keys/values, read once
-   for the G rows that share them, and to its own generated ones. The loop ends as soon as every
-   row has emitted an EOS id or T tokens.
+   rounded up by `length_bucket` (eight sizes per octave, at least 16) and the number of prompts
+   to a power of two >= 8; padding rows are marked finished from the start and dropped from the
+   output.
+2. Prefill: the B prompts run once through the model (a prompt is never prefilled G times); only
+   the last position's logits are computed. Every row draws its first token.
+3. Decode, `DECODE_SEGMENT` steps per jitted `lax.while_loop` (no host synchronisation inside;
+   the state is donated and updated in place). A row attends to its prompt's keys/values, read
+   once for the G rows that share them, and to its own generated ones. Between segments the host
+   reads which rows have finished and, when the running rows fit a smaller row bucket (8, 12, 16,
+   24, 32, 48, ...: powers of two and 1.5 times them), gathers them into it (one row per group
+   from then on, the prompt's keys/values copied); the generated-token cache starts at
+   `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots in use.
+   Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached per
+   shape: a run compiles one segment program per (prompt bucket, row bucket, cache size) it
+   meets.
 
-Sampling knobs: `temperature`, `top_p`, `top_k` and `eos_ids` are *static* (part of the compiled
-program's key; a run uses two or three settings -- training 1.0/1.0/0, evaluation 0.6/0.95/0,
-greedy hints 0). `temperature=0` is greedy (argmax). Otherwise the logits are divided by the
-temperature, then the top-k filter (`top_k=0`: off), then the top-p (nucleus) filter (`top_p=1`:
-off, and then costs nothing) are applied, in that order as in `transformers`; the nucleus is the
-smallest set of most likely tokens whose mass reaches top_p (ties at its edge kept). A token is
-drawn by inverse CDF with two uniform draws per row and step (block, then token within block).
+Sampling knobs (`select`): `temperature`, `top_p`, `top_k` and `eos_ids` are *static* (part of
+the compiled program's key; a run uses two or three settings -- training 1.0/1.0/0, evaluation
+0.6/0.95/0, greedy hints 0). `temperature=0` is greedy (argmax).
 
 Log-probs: `logprobs` is the log-softmax of the model's *raw* logits (temperature 1, no top-k /
 top-p) at the chosen token -- exactly what the GRPO update recomputes as "old" log-probs. With
@@ -47,28 +43,22 @@ distribution the token was actually drawn from.
 Randomness: row (prompt b, sample g) uses `row_key = fold_in(fold_in(key, prompt_ids_B[b]), g)`
 and step t draws from `fold_in(row_key, t)`. `prompt_ids_B` defaults to `arange(B)`; pass stable
 ids (e.g. dataset indices) so that a row's tokens do not depend on which other prompts share the
-batch or on the bucket sizes. Fold the training step / hint level into `key` before calling.
+batch, on the buckets or on when other rows finish. Fold the training step / hint level into
+`key` before calling.
 
 Padding: tokens after a row's end are `pad_id`; log-probs after the end are 0; `lengths` counts
 the generated tokens including the EOS token.
 
-Meshes (`sample(..., mesh=mesh)`, what the trainer passes): the sampler runs on the trainer's
-("data", "fsdp", "tensor") mesh with the weights as the trainer holds them (no host round
-trip). The prompts' rows -- and with them the prompt and generated-token KV caches, the logits
-and the per-step token / log-prob buffers -- are split over ("data", "fsdp") when that divides
-the bucketed prompt count (else they are replicated), and the caches' KV-head axis over "tensor"
-when that divides the KV heads (the attention heads' split in the partition rules). Inside each
-program the weights are resharded on device to the partition rules without "fsdp" (gathered
-over "fsdp", still split over "tensor"): once per call, not once per decoded token. Results do
-not depend on the mesh (the per-row keys above; logits only up to float summation order).
-Without a mesh (the default) nothing is placed or constrained.
+Meshes (`sample(..., mesh=mesh)`, what the trainer passes): the programs run on the trainer's
+("data", "fsdp", "tensor") mesh with the weights as the trainer holds them (no host round trip);
+rows and caches are placed as `placement` says. Results do not depend on the mesh (the per-row
+keys above; logits only up to float summation order). Without a mesh (the default) nothing is
+placed or constrained. With several processes every process gets the whole output.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Sequence
 
 import flax.struct
@@ -76,14 +66,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
-from sage_jax import parallel
-from sage_jax.models.decoder import _NEG, KVCache, apply_rope, init_cache, rope_inv_freq
+from sage_jax import distributed, parallel
+from sage_jax.engine import decode, placement
+from sage_jax.models.decoder import init_cache
 
-PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 32, 64, 128, ...
+PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 32, 48, ..., 128, 144, 160, ...
 BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
-PREFILL_SCORES_BYTES = 1 << 30  # prefill in chunks of prompts above ~1 GiB of attention scores
+DECODE_SEGMENT = 16  # decode steps per program call; the host regroups rows in between
+SLOT_BUCKET_MIN = 32  # the generated-token cache holds 32, 64, 128, ... slots (as it fills)
+ROW_BUCKET_MIN = 8  # rows are regrouped into 8, 12, 16, 24, 32, ... (at least the row shards)
+TRACE_COUNTS = decode.TRACE_COUNTS
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
@@ -99,22 +93,47 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
     return tok, mask
 
 
-def prompt_bucket(n: int) -> int:
-    """Padded prompt length for a prompt of n tokens: the next power of two, at least 16."""
-    return max(PROMPT_BUCKET_MIN, 1 << max(n - 1, 0).bit_length())
-
-
 def length_bucket(n: int) -> int:
-    """Padded length of a training row of n tokens: the next multiple of 1/8 of n's power of
-    two (at least 16): eight sizes per octave, so padding is under 1/8 and recompiles are few."""
+    """Padded length of a prompt or a training row of n tokens: the next multiple of 1/8 of n's
+    power of two (at least 16): eight sizes per octave, so padding is under 1/8 and recompiles
+    are few."""
     n = max(int(n), 1)
     step = max(PROMPT_BUCKET_MIN, 1 << max((n - 1).bit_length() - 4, 0))
     return -(-n // step) * step
 
 
+def prompt_bucket(n: int) -> int:
+    """Padded prompt length for prompts of at most n tokens (`length_bucket`): the prefill
+    and every decode step's attention cost follow it."""
+    return length_bucket(n)
+
+
 def batch_bucket(n: int) -> int:
     """Padded number of prompts for n prompts: the next power of two, at least 8."""
     return max(BATCH_BUCKET_MIN, 1 << max(n - 1, 0).bit_length())
+
+
+def row_bucket(n: int, shards: int = 1) -> int:
+    """Rows a decode segment runs for n live rows: the smallest power of two or 1.5 times one
+    that holds them, at least `ROW_BUCKET_MIN` and a multiple of `shards` (the row shards)."""
+    c = max(ROW_BUCKET_MIN, shards)
+    while True:
+        for size in (c, c + c // 2):
+            if size >= n and size % shards == 0:
+                return size
+        c *= 2
+
+
+def gen_slots(max_new_tokens: int) -> int:
+    """Generated-token cache slots at most: T - 1 (the last token is never fed), rounded up
+    to 8."""
+    return max(8, -(-(max_new_tokens - 1) // 8) * 8)
+
+
+def slot_bucket(need: int, max_new_tokens: int) -> int:
+    """Generated-token cache slots for `need` slots: a power of two >= `SLOT_BUCKET_MIN`, at
+    most `gen_slots(max_new_tokens)`."""
+    return min(gen_slots(max_new_tokens), max(SLOT_BUCKET_MIN, 1 << max(need - 1, 0).bit_length()))
 
 
 @flax.struct.dataclass
@@ -125,11 +144,14 @@ class SampleOutput:
     lengths: int32 number of generated tokens per row, the EOS token included.
     logprobs: float32 log-softmax of the raw (temperature 1) logits at each generated token, 0
       after the end.
+    decode_row_steps: row-steps the decode programs ran (rows of each segment, padding and
+      finished rows included, times its steps): the work that `lengths` is the useful part of.
     """
 
     tokens: jax.Array
     lengths: jax.Array
     logprobs: jax.Array
+    decode_row_steps: int = flax.struct.field(pytree_node=False, default=0)
 
 
 @flax.struct.dataclass
@@ -145,344 +167,34 @@ class _Static:
     pad_id: int = flax.struct.field(pytree_node=False)
 
 
-# Incremented each time a sampling program is traced (i.e. about to be compiled); tests use it to
-# check that a second batch in the same bucket does not recompile.
-TRACE_COUNTS = {"prefill": 0, "decode": 0}
-
-
-# ---- placement on a mesh ----------------------------------------------------------------------
-
-# The sampler's weight layout: the trainer's partition rules with "fsdp" dropped (decode feeds
-# one token per row per step, so fsdp-split weights would be gathered at every step).
-SAMPLER_RULES = tuple((pattern, tuple(None if a == "fsdp" else a for a in axes))
-                      for pattern, axes in parallel.PARTITION_RULES)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Where one sampling program's arrays live (hashable: part of the jit cache key).
-
-    rows: the mesh axes of the prompt / row dimension (None: replicated); kv: the mesh axis of
-    the KV-head dimension of the caches (None: whole)."""
-
-    mesh: Mesh
-    rows: tuple | None
-    kv: str | None
-
-
-def _layout(mesh: Mesh | None, cfg, num_prompts: int) -> _Layout | None:
-    """Rows over ("data", "fsdp") when that divides the (bucketed) prompt count, KV heads over
-    "tensor" when that divides them; None without a mesh."""
-    if mesh is None:
-        return None
-    rows = parallel.ROWS if num_prompts % parallel.row_shards(mesh) == 0 else None
-    t = mesh.shape["tensor"]
-    kv = "tensor" if t > 1 and cfg.num_kv_heads % t == 0 else None
-    return _Layout(mesh, rows, kv)
-
-
-def _spec(lay: _Layout, kv_dim: int | None = None) -> NamedSharding:
-    """Rows on dimension 0 and, with `kv_dim`, KV heads on that dimension; the rest whole."""
-    spec = [lay.rows] + ([None] * (kv_dim - 1) + [lay.kv] if kv_dim else [])
-    return NamedSharding(lay.mesh, P(*spec))
-
-
-def _on(lay: _Layout | None, tree, kv_dim: int | None = None):
-    """Every array of `tree` (rows first) constrained inside jit to `_spec(lay, kv_dim)`;
-    unchanged without a mesh."""
-    if lay is None:
-        return tree
-    sh = _spec(lay, kv_dim)
-    return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: sh, tree))
-
-
-def _cache_shardings(lay: _Layout, num_layers: int) -> KVCache:
-    """Shardings of a prompt cache: k, v [B, P, K, H] per layer, mask [B, P], index scalar."""
-    kv = (_spec(lay, 2),) * num_layers
-    return KVCache(k=kv, v=kv, mask_BxS=_spec(lay), index=NamedSharding(lay.mesh, P()))
-
-
-def _on_cache(lay: _Layout | None, cache: KVCache) -> KVCache:
-    """A prompt cache constrained to `_cache_shardings` (inside jit)."""
-    if lay is None:
-        return cache
-    return jax.lax.with_sharding_constraint(cache, _cache_shardings(lay, len(cache.k)))
-
-
-def _sampler_params(params, lay: _Layout | None):
-    """The weights resharded on device to `SAMPLER_RULES` (a no-op without "fsdp")."""
-    if lay is None or lay.mesh.shape["fsdp"] == 1:
-        return params
-    return jax.lax.with_sharding_constraint(
-        params, parallel.tree_shardings(params, lay.mesh, SAMPLER_RULES))
-
-
-# ---- token selection --------------------------------------------------------------------------
-
-def _top_p_threshold(w_RxV: jax.Array, top_p: float) -> jax.Array:
-    """Per row, the largest weight tau with sum(w[w >= tau]) >= top_p * sum(w); [R, 1].
-
-    Bisection on the bit pattern of tau (order-preserving for floats >= 0; weights are in
-    [0, 1]): 30 passes over V, exact, and far cheaper than sorting V on CPU.
-    """
-    target = top_p * jnp.sum(w_RxV, axis=-1)
-    r = w_RxV.shape[0]
-    lo = jnp.zeros((r,), jnp.int32)  # tau = 0 keeps everything: satisfies
-    hi = jnp.full((r,), np.float32(1.0).view(np.int32) + 1, jnp.int32)  # tau > 1 keeps nothing
-
-    def body(_, c):
-        lo, hi = c
-        mid = lo + (hi - lo) // 2
-        tau = jax.lax.bitcast_convert_type(mid, jnp.float32)[:, None]
-        ok = jnp.sum(jnp.where(w_RxV >= tau, w_RxV, 0.0), axis=-1) >= target
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    lo, _ = jax.lax.fori_loop(0, 30, body, (lo, hi))  # hi - lo: 0x3F800001 < 2**30 -> 1
-    return jax.lax.bitcast_convert_type(lo, jnp.float32)[:, None]
-
-
-def _draw(w_RxV: jax.Array, u_Rx2: jax.Array) -> jax.Array:
-    """A token per row with probability proportional to the weights w >= 0 (inverse CDF).
-
-    Two levels -- a block of ~sqrt(V) tokens, then a token inside it, each with its own uniform
-    -- so that no cumulative sum over all of V is needed.
-    """
-    r, v = w_RxV.shape
-    bs = 1 << max(3, math.ceil(math.log2(math.sqrt(v))))
-    nb = -(-v // bs)
-    w = jnp.pad(w_RxV, ((0, 0), (0, nb * bs - v))).reshape(r, nb, bs)
-
-    def pick(w_RxW, u_R):
-        # First index whose cumulative weight reaches (1 - u) * total > 0: never a zero weight,
-        # unless rounding in the cumulative sum says otherwise (then: the largest weight).
-        cdf = jnp.cumsum(w_RxW, axis=-1)
-        target = (1.0 - u_R)[:, None] * cdf[:, -1:]
-        i = jnp.minimum(jnp.sum(cdf < target, axis=-1), w_RxW.shape[-1] - 1)
-        ok = jnp.take_along_axis(w_RxW, i[:, None], axis=-1)[:, 0] > 0
-        return jnp.where(ok, i, jnp.argmax(w_RxW, axis=-1))
-
-    blk = pick(jnp.sum(w, axis=-1), u_Rx2[:, 0])
-    inner = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]
-    return (blk * bs + pick(inner, u_Rx2[:, 1])).astype(jnp.int32)
-
-
-def _select(logits_RxV: jax.Array, keys_R, t, st: _Static):
-    """Chooses one token per row; returns (tokens_R int32, logprob_R float32 at temperature 1)."""
-    logits = logits_RxV.astype(jnp.float32)
-    v = logits.shape[-1]
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    e = None  # exp(logits - m), when it is computed anyway
-    if st.temperature == 0:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        x, mx = logits, m
-        if st.temperature != 1.0:
-            x, mx = logits / st.temperature, m / st.temperature
-        if st.top_k and st.top_k < v:
-            kth = jax.lax.top_k(x, st.top_k)[0][:, -1:]
-            x = jnp.where(x >= kth, x, -jnp.inf)
-        w = jnp.exp(x - mx)  # unnormalised sampling weights in [0, 1], max 1
-        if st.temperature == 1.0 and not st.top_k:
-            e = w
-        if st.top_p < 1.0:
-            w = jnp.where(w >= _top_p_threshold(w, st.top_p), w, 0.0)
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, t), (2,)))(keys_R)
-        tok = _draw(w, u)
-    if e is None:
-        e = jnp.exp(logits - m)
-    chosen = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
-    logp = chosen - m[:, 0] - jnp.log(jnp.sum(e, axis=-1))
-    return tok, logp
-
-
-def _is_eos(tok_R, eos_ids):
-    done = jnp.zeros(tok_R.shape, bool)
-    for e in eos_ids:
-        done = done | (tok_R == e)
-    return done
-
-
-# ---- one decode step through the model's layers -----------------------------------------------
-
-def _attend(attn, q_RxN, prompt_kv, prompt_mask_BxP, gen_kv, gen_valid_S, g):
-    """Attention of one new token per row over its prompt and its own generated tokens.
-
-    The prompt's keys/values are read once for the G rows that share it: k [B, K, H, P], v
-    [B, K, P, H]. Generated ones are per row: k [B, K, G, H, S], v [B, K, G, S, H] (`gen_valid_S`
-    marks the written slots). Keys are stored transposed so that both products are plain
-    matrix products (no per-step transpose of the cache). Mirrors `decoder.Attention`: scaling,
-    masking with its finite minus infinity, float32 softmax.
-    """
-    r = q_RxN.shape[0]
-    b, kh, h = r // g, attn.k, attn.h
-    gq = attn.n // kh
-    cd = q_RxN.dtype
-    (pk, pv), (gk, gv) = prompt_kv, gen_kv
-    q = q_RxN.reshape(b, g, kh, gq, h).transpose(0, 2, 1, 3, 4)  # [B, K, G, Gq, H]
-    scale = 1.0 / math.sqrt(h)
-    s_p = jnp.einsum("bkgqh,bkhs->bkgqs", q, pk.astype(cd),
-                     preferred_element_type=jnp.float32) * scale
-    s_p = jnp.where(prompt_mask_BxP[:, None, None, None, :], s_p, _NEG)
-    s_g = jnp.einsum("bkgqh,bkghs->bkgqs", q, gk.astype(cd),
-                     preferred_element_type=jnp.float32) * scale
-    s_g = jnp.where(gen_valid_S, s_g, _NEG)
-    # softmax over [prompt slots, generated slots] without concatenating them
-    m = jnp.maximum(jnp.max(s_p, axis=-1, keepdims=True), jnp.max(s_g, axis=-1, keepdims=True))
-    e_p, e_g = jnp.exp(s_p - m), jnp.exp(s_g - m)
-    inv = 1.0 / (jnp.sum(e_p, axis=-1, keepdims=True) + jnp.sum(e_g, axis=-1, keepdims=True))
-    o = (jnp.einsum("bkgqs,bksh->bkgqh", (e_p * inv).astype(cd), pv.astype(cd))
-         + jnp.einsum("bkgqs,bkgsh->bkgqh", (e_g * inv).astype(cd), gv.astype(cd)))
-    return o.transpose(0, 2, 1, 3, 4).reshape(r, attn.n * h)
-
-
-def _step(model, tok_R, pos_R, slot, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=None):
-    """Feeds one token per row at positions pos_R; writes its K/V at generated slot `slot`.
-
-    Returns (float32 logits [R, V], updated generated-token cache)."""
-    inv_freq = rope_inv_freq(model.cfg)
-    s = gen_kv[0][1].shape[3]
-    gen_valid_S = jnp.arange(s) <= slot
-    x = _on(lay, model.embed_tokens[...][tok_R].astype(model.compute_dtype))
-    r = x.shape[0]
-    b = r // g
-    new_gen = []
-    for layer, pkv, (gk, gv) in zip(model.layers, prompt_kv, gen_kv):
-        attn = layer.self_attn
-        hid = layer.input_layernorm(x)
-        q = attn.q_proj(hid).reshape(r, 1, attn.n, attn.h)
-        k = attn.k_proj(hid).reshape(r, 1, attn.k, attn.h)
-        v = attn.v_proj(hid).reshape(b, g, attn.k, attn.h).transpose(0, 2, 1, 3)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q, pos_R[:, None], inv_freq).reshape(r, attn.n * attn.h)
-        k = apply_rope(k, pos_R[:, None], inv_freq).reshape(b, g, attn.k, attn.h)
-        k = k.transpose(0, 2, 1, 3)  # [B, K, G, H]
-        gk = jax.lax.dynamic_update_slice(gk, k[..., None].astype(gk.dtype), (0, 0, 0, 0, slot))
-        gv = jax.lax.dynamic_update_slice(gv, v[:, :, :, None].astype(gv.dtype),
-                                          (0, 0, 0, slot, 0))
-        new_gen.append((gk, gv))
-        x = x + attn.o_proj(_attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_S, g))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return _on(lay, model.logits(model.norm(x))), _on(lay, tuple(new_gen), kv_dim=1)
-
-
-# ---- the two jitted programs ------------------------------------------------------------------
-
-def _prefill_rows(cfg, b: int, p: int) -> int:
-    """Prompts per prefill chunk: the model's attention materialises [rows, N, P, P] float32
-    scores, so long prompts are prefilled a power-of-two number of rows at a time."""
-    rows = b
-    while rows > 1 and rows * cfg.num_heads * p * p * 4 > PREFILL_SCORES_BYTES:
-        rows //= 2
-    return rows
-
-
-def _prefill(graphdef, lay, params, cache_B: KVCache, prompt_BxP, mask_BxP):
-    """Runs the B prompts once into their cache; returns (last-position logits [B, V], cache).
-    `lay`: the placement on a mesh (None: none)."""
-    TRACE_COUNTS["prefill"] += 1
-    model = nnx.merge(graphdef, _sampler_params(params, lay))
-    b, p = prompt_BxP.shape
-    rows = _prefill_rows(model.cfg, b, p)
-    if rows >= b:
-        h, cache_B = model.hidden(prompt_BxP, mask_BxT=mask_BxP, cache=cache_B)
-        return _on(lay, model.logits(h[:, -1:])[:, 0]), _on_cache(lay, cache_B)
-
-    def chunk(xs):  # `rows` prompts at a time (sequentially), each into a fresh cache
-        tok, mask = xs
-        c = init_cache(model.cfg, rows, p, cache_B.k[0].dtype)
-        h, c = model.hidden(tok, mask_BxT=mask, cache=c)
-        return model.logits(h[:, -1:])[:, 0], c.k, c.v
-
-    n = b // rows
-    logits, ks, vs = jax.lax.map(chunk, (prompt_BxP.reshape(n, rows, p),
-                                         mask_BxP.reshape(n, rows, p)))
-    flat = lambda a: a.reshape((b,) + a.shape[2:])  # noqa: E731
-    cache_B = KVCache(k=tuple(map(flat, ks)), v=tuple(map(flat, vs)),
-                      mask_BxS=mask_BxP.astype(bool), index=jnp.asarray(p, jnp.int32))
-    return _on(lay, flat(logits)), _on_cache(lay, cache_B)
-
-
-def _decode(graphdef, st: _Static, lay, params, gen_kv, cache_B: KVCache, logits_BxV, key,
-            prompt_ids_B, valid_B):
-    """Samples up to T tokens per row; stops when every row has finished.
-
-    `gen_kv`: per layer (k [B, K, G, H, S], v [B, K, G, S, H]) with S >= T - 1 (donated;
-    updated in place). `lay`: the placement on a mesh (None: none).
-    Returns (SampleOutput with [B, G, T] / [B, G] arrays, the final `gen_kv`).
-    """
-    TRACE_COUNTS["decode"] += 1
-    model = nnx.merge(graphdef, _sampler_params(params, lay))
-    b = logits_BxV.shape[0]
-    g, t_max, pad = st.num_samples, st.max_new_tokens, st.pad_id
-    r = b * g
-
-    prompt_kv = _on(lay, tuple((k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))  # [B,K,H,P],
-                               for k, v in zip(cache_B.k, cache_B.v)), kv_dim=1)  # [B,K,P,H]
-    gen_kv = _on(lay, gen_kv, kv_dim=1)
-    prompt_mask = cache_B.mask_BxS
-    pos0_R = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), g)
-
-    pid_R = jnp.repeat(prompt_ids_B.astype(jnp.int32), g)
-    sid_R = jnp.tile(jnp.arange(g, dtype=jnp.int32), b)
-    keys_R = jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(key, p), s))(pid_R,
-                                                                                        sid_R)
-    keys_R, valid_R = _on(lay, (keys_R, jnp.repeat(valid_B, g)))
-
-    tok, logp = _select(_on(lay, jnp.repeat(logits_BxV, g, axis=0)), keys_R, 0, st)
-    tokens = jnp.full((r, t_max), pad, jnp.int32).at[:, 0].set(jnp.where(valid_R, tok, pad))
-    logps = jnp.zeros((r, t_max), jnp.float32).at[:, 0].set(jnp.where(valid_R, logp, 0.0))
-    lengths = valid_R.astype(jnp.int32)
-    done = ~valid_R | _is_eos(tok, st.eos_ids)
-    tokens, logps, lengths, tok, done = _on(lay, (tokens, logps, lengths, tok, done))
-
-    def cond(c):
-        t, _, _, _, _, _, done = c
-        return (t < t_max) & ~jnp.all(done)
-
-    def body(c):
-        t, gen_kv, tokens, logps, lengths, last, done = c
-        # Step t feeds token t-1 (at position prompt_len + t - 1, generated slot t - 1).
-        logits, gen_kv = _step(model, last, pos0_R + t - 1, t - 1, prompt_kv, prompt_mask,
-                               gen_kv, g, lay)
-        tok, logp = _select(logits, keys_R, t, st)
-        live = ~done
-        tokens = jax.lax.dynamic_update_slice(tokens, jnp.where(live, tok, pad)[:, None], (0, t))
-        logps = jax.lax.dynamic_update_slice(logps, jnp.where(live, logp, 0.0)[:, None], (0, t))
-        lengths = lengths + live.astype(jnp.int32)
-        done = done | _is_eos(tok, st.eos_ids)
-        return (t + 1, gen_kv, *_on(lay, (tokens, logps, lengths, tok, done)))
-
-    init = (jnp.asarray(1, jnp.int32), gen_kv, tokens, logps, lengths, tok, done)
-    _, gen_kv, tokens, logps, lengths, _, _ = jax.lax.while_loop(cond, body, init)
-    out = SampleOutput(tokens=tokens.reshape(b, g, t_max), lengths=lengths.reshape(b, g),
-                       logprobs=logps.reshape(b, g, t_max))
-    return _on(lay, out), gen_kv
-
-
-_JITTED: dict = {}  # (kind, graphdef, static config, layout) -> jitted function
+_JITTED: dict = {}  # (kind, graphdef, static config, layout, extra) -> jitted function
 _JITTED_UNHASHABLE: list = []  # [(key, jitted)] for graphdefs that cannot be hashed
 
 
-def _jitted(kind: str, graphdef, st: _Static | None, lay: _Layout | None = None):
-    """The jitted prefill (per model definition) or decode (per model definition and static
-    config), per mesh layout, built once and cached; jit then keeps one executable per bucket
-    shape. A graphdef whose config holds a dict (e.g. llama3 `rope_scaling`) is unhashable:
-    found by equality."""
-    key = (kind, graphdef, st, lay)
+def _jitted(kind: str, graphdef, st: _Static | None, lay, extra=None):
+    """A jitted program of `decode`, built once per (kind, model definition, static config,
+    mesh layout, extra static argument) and cached; jit then keeps one executable per shape. A
+    graphdef whose config holds a dict (e.g. llama3 `rope_scaling`) is unhashable: found by
+    equality."""
+    key = (kind, graphdef, st, lay, extra)
     try:
         return _JITTED[key]
     except TypeError:
         for k, fn in _JITTED_UNHASHABLE:
-            if (k[0] == kind and k[2] == st and k[3] == lay
+            if (k[0] == kind and k[2:] == key[2:]
                     and (k[1] is graphdef or k[1] == graphdef)):
                 return fn
     except KeyError:
         pass
     if kind == "prefill":
-        fn = jax.jit(functools.partial(_prefill, graphdef, lay), donate_argnums=(1,))
+        fn = jax.jit(functools.partial(decode.prefill, graphdef, lay), donate_argnums=(1,))
+    elif kind == "start":
+        fn = jax.jit(functools.partial(decode.start, st, lay, extra))
+    elif kind == "segment":
+        fn = jax.jit(functools.partial(decode.segment, graphdef, st, lay, extra),
+                     donate_argnums=(1,))
     else:
-        fn = jax.jit(functools.partial(_decode, graphdef, st, lay), donate_argnums=(1,))
+        fn = jax.jit(functools.partial(decode.regroup, lay, extra))
     try:
         _JITTED[key] = fn
     except TypeError:
@@ -490,18 +202,12 @@ def _jitted(kind: str, graphdef, st: _Static | None, lay: _Layout | None = None)
     return fn
 
 
-def _programs(graphdef, st: _Static, lay: _Layout | None = None):
-    """(prefill, decode) for a model definition, a static sampling configuration and a mesh
-    layout (None: no mesh)."""
-    return _jitted("prefill", graphdef, None, lay), _jitted("decode", graphdef, st, lay)
+def _put(x, lay, rows: bool = False):
+    """A host array as a program input: placed on the layout's rows (or replicated) on a mesh."""
+    if lay is None:
+        return jnp.asarray(x)
+    return jax.device_put(x, placement.spec(lay) if rows else placement.replicated(lay))
 
-
-def _gen_slots(max_new_tokens: int) -> int:
-    """Generated-token cache slots: T - 1 (the last token is never fed), rounded up to 8."""
-    return max(8, -(-(max_new_tokens - 1) // 8) * 8)
-
-
-# ---- public API -------------------------------------------------------------------------------
 
 def _check_knobs(temperature, top_p, top_k, num_samples, max_new_tokens):
     if not (temperature >= 0):
@@ -559,7 +265,7 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
 
     Returns:
       SampleOutput(tokens [B, G, T] int32, lengths [B, G] int32, logprobs [B, G, T] float32) as
-      device arrays.
+      host (numpy) arrays, the same on every process.
     """
     top_k = 0 if top_k is None else top_k
     _check_knobs(temperature, top_p, top_k, num_samples, max_new_tokens)
@@ -592,30 +298,66 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
 
     model = nnx.merge(graphdef, params)  # cheap: only to read the config and dtype
     cfg, dtype = model.cfg, jnp.dtype(model.dtype)
-    s = _gen_slots(st.max_new_tokens)
-    k_shape = (bb, cfg.num_kv_heads, st.num_samples, cfg.head_dim, s)
-    v_shape = (bb, cfg.num_kv_heads, st.num_samples, s, cfg.head_dim)
-    lay = _layout(mesh, cfg, bb)
+    lay = placement.layout(mesh, cfg.num_kv_heads, bb)
     if lay is None:
         prompt_cache = init_cache(cfg, bb, pb, dtype)
-        gen_kv = tuple((jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype))
-                       for _ in range(cfg.num_layers))
     else:  # every array created or placed where the programs keep it (no later reshard)
-        rows = _spec(lay)
-        tokens, mask, ids, valid = (jax.device_put(x, rows) for x in (tokens, mask, ids, valid))
-        key = jax.device_put(key, NamedSharding(mesh, P()))
+        tokens, mask, ids, valid = (_put(x, lay, rows=True) for x in (tokens, mask, ids, valid))
+        key = _put(key, lay)
         shapes = jax.eval_shape(lambda: init_cache(cfg, bb, pb, dtype))
         prompt_cache = jax.tree.map(lambda a, sh: jnp.zeros(a.shape, a.dtype, device=sh),
-                                    shapes, _cache_shardings(lay, cfg.num_layers))
-        gen_sh = _spec(lay, kv_dim=1)
-        gen_kv = tuple((jnp.zeros(k_shape, dtype, device=gen_sh),
-                        jnp.zeros(v_shape, dtype, device=gen_sh)) for _ in range(cfg.num_layers))
-    prefill, decode = _programs(graphdef, st, lay)
-    logits, prompt_cache = prefill(params, prompt_cache, tokens, mask)
-    out, _ = decode(params, gen_kv, prompt_cache, logits, key, ids, valid)
+                                    shapes, decode.cache_shardings(lay, cfg))
+    logits, prompt_cache = _jitted("prefill", graphdef, None, lay)(params, prompt_cache, tokens,
+                                                                   mask)
+    cap = slot_bucket(DECODE_SEGMENT, st.max_new_tokens)
+    state, tok0, logp0 = _jitted("start", None, st, lay, cap)(prompt_cache, logits, key, ids,
+                                                               valid)
+    del prompt_cache
+    out = _decode_segments(graphdef, params, st, mesh, lay, state, tok0, logp0)
     if bb != b:
         out = jax.tree.map(lambda x: x[:b], out)
     return out
+
+
+def _decode_segments(graphdef, params, st: _Static, mesh, lay, state, tok0_R, logp0_R):
+    """Runs decode segments until every row has finished or T tokens; between segments drops
+    finished rows into a smaller row bucket and grows the generated-token cache. `lay`: the
+    placement of `state` (from `start`). Returns the SampleOutput ([B, G, T] host arrays)."""
+    t_max, g = st.max_new_tokens, st.num_samples
+    r0 = state.rows
+    shards = 1 if mesh is None else parallel.row_shards(mesh)
+    tokens = np.full((r0, t_max), st.pad_id, np.int32)
+    logps = np.zeros((r0, t_max), np.float32)
+    tokens[:, 0], logps[:, 0], lengths, done = distributed.fetch(
+        (tok0_R, logp0_R, state.lengths_R, state.done_R))
+    lengths = np.array(lengths)
+    row_ids = np.arange(r0)  # output row of each state row (-1: a padding row)
+    t, row_steps = 1, 0
+    while t < t_max and not done.all():
+        live = np.flatnonzero(~done)
+        rows = row_bucket(live.size, shards)
+        cap = max(state.slots, slot_bucket(t + DECODE_SEGMENT - 1, t_max))
+        if rows < state.rows:  # the running rows fit a smaller bucket: gather them
+            index = np.concatenate([live, np.full(rows - live.size, live[0])]).astype(np.int32)
+            keep = np.arange(rows) < live.size
+            lay = placement.layout(mesh, state.prompt_k[0].shape[1], rows)
+            state = _jitted("regroup", None, None, lay, cap)(state, _put(index, lay),
+                                                             _put(keep, lay, rows=True))
+            row_ids = np.where(keep, row_ids[index], -1)
+        elif cap > state.slots:  # the cache is full: grow it
+            state = _jitted("regroup", None, None, lay, cap)(state)
+        state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay, DECODE_SEGMENT)(
+            params, state, _put(np.int32(t), lay))
+        seg_tok, seg_logp, seg_len, done, n = distributed.fetch(
+            (seg_tok, seg_logp, state.lengths_R, state.done_R, n))
+        n, mine = int(n), row_ids >= 0
+        tokens[row_ids[mine], t:t + n] = seg_tok[mine, :n]
+        logps[row_ids[mine], t:t + n] = seg_logp[mine, :n]
+        lengths[row_ids[mine]] = seg_len[mine]
+        t, row_steps = t + n, row_steps + state.rows * n
+    b = r0 // g
+    return SampleOutput(tokens=tokens.reshape(b, g, t_max), lengths=lengths.reshape(b, g),
+                        logprobs=logps.reshape(b, g, t_max), decode_row_steps=row_steps)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
@@ -647,4 +389,5 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 2
     rows = n * num_samples
     return SampleOutput(tokens=np.asarray(out.tokens).reshape(rows, -1),
                         lengths=np.asarray(out.lengths).reshape(rows),
-                        logprobs=np.asarray(out.logprobs).reshape(rows, -1))
+                        logprobs=np.asarray(out.logprobs).reshape(rows, -1),
+                        decode_row_steps=out.decode_row_steps)

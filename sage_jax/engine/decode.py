@@ -1,0 +1,300 @@
+"""The sampler's device programs: prefill, start, decode segments and regrouping of rows.
+
+Shapes: B prompt groups of G rows each (R = B*G rows, row b*G + g), P prompt columns, S slots
+of the generated-token cache, V vocab, K kv heads, H head dim, n segment steps.
+
+* `prefill(params, cache_B, prompt_BxP, mask_BxP)` runs the prompts once into their [B, P]
+  cache (donated, filled in place) and returns the last position's logits [B, V].
+* `start(cache_B, logits_BxV, key, prompt_ids_B, valid_B)` draws every row's first token and
+  builds the `DecodeState`: the prompt keys/values transposed for decode (read once for the G
+  rows that share them) and an empty generated-token cache of `cap` slots.
+* `segment(params, state, t0)` decodes steps t0 .. t0+n-1 (n <= `seg`) in a `lax.while_loop`
+  (the state is donated and updated in place; no host synchronisation inside) and stops early
+  when every row has finished or t reaches max_new_tokens; it returns the segment's tokens and
+  log-probs [R, seg] and n.
+* `regroup(state, index, keep)` makes a state with a larger generated-token cache and/or only
+  the rows `index` (then one row per group, G = 1): between segments the host drops finished
+  rows into a smaller row bucket and grows the cache as it fills, so that a step costs in
+  proportion to the rows still running and attention reads only the slots in use (a read of
+  a prefix of a larger cache would copy it every step).
+
+Each step feeds one token per row through the model's own layers (its norms, projections, RoPE
+and MLP; only the attention core is specialised here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sage_jax.engine import placement
+from sage_jax.engine.select import is_eos, select
+from sage_jax.models.decoder import _NEG, KVCache, apply_rope, init_cache, rope_inv_freq
+
+PREFILL_SCORES_BYTES = 1 << 30  # prefill in chunks of prompts above ~1 GiB of attention scores
+
+# Incremented each time a program is traced (i.e. about to be compiled); tests use it to check
+# that a second batch in the same buckets does not recompile.
+TRACE_COUNTS = {"prefill": 0, "start": 0, "decode": 0, "regroup": 0}
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """What decoding carries from one segment to the next.
+
+    prompt_k, prompt_v: per layer [B, K, H, P] and [B, K, P, H] (keys stored transposed, so
+      that both attention products are plain matrix products); prompt_mask_BxP: real tokens.
+    gen_k, gen_v: per layer [B, K, G, H, S] and [B, K, G, S, H]; slot t-1 holds the key/value
+      of generated token t-1.
+    pos0_R: the position of generated token 0 (the prompt's length); keys_R: per-row PRNG
+      keys; last_R: the last chosen token; done_R: finished (EOS, or a padding row);
+      lengths_R: tokens generated, the EOS included.
+    """
+
+    prompt_k: tuple
+    prompt_v: tuple
+    prompt_mask_BxP: jax.Array
+    gen_k: tuple
+    gen_v: tuple
+    pos0_R: jax.Array
+    keys_R: jax.Array
+    last_R: jax.Array
+    done_R: jax.Array
+    lengths_R: jax.Array
+
+    @property
+    def rows(self) -> int:
+        return self.done_R.shape[0]
+
+    @property
+    def group(self) -> int:
+        return self.gen_v[0].shape[2]
+
+    @property
+    def slots(self) -> int:
+        return self.gen_v[0].shape[3]
+
+
+# ---- one decode step through the model's layers -----------------------------------------------
+
+def _attend(attn, q_RxN, prompt_kv, prompt_mask_BxP, gen_kv, gen_valid_S, new_kv, g):
+    """Attention of one new token per row over its prompt, its earlier generated tokens and
+    itself.
+
+    The prompt's keys/values are read once for the G rows that share them: k [B, K, H, P], v
+    [B, K, P, H]. Earlier generated ones are per row: k [B, K, G, H, S], v [B, K, G, S, H]
+    (`gen_valid_S` marks the slots written before this step); the new token's own k, v are
+    [B, K, G, H]. Reading the cache before this step's write lets XLA update it in place (a
+    read of the updated cache makes it copy the whole cache every step). Mirrors
+    `decoder.Attention`: scaling, masking with its finite minus infinity, float32 softmax.
+    """
+    r = q_RxN.shape[0]
+    b, kh, h = r // g, attn.k, attn.h
+    gq = attn.n // kh
+    cd = q_RxN.dtype
+    (pk, pv), (gk, gv), (nk, nv) = prompt_kv, gen_kv, new_kv
+    q = q_RxN.reshape(b, g, kh, gq, h).transpose(0, 2, 1, 3, 4)  # [B, K, G, Gq, H]
+    scale = 1.0 / math.sqrt(h)
+    s_p = jnp.einsum("bkgqh,bkhs->bkgqs", q, pk.astype(cd),
+                     preferred_element_type=jnp.float32) * scale
+    s_p = jnp.where(prompt_mask_BxP[:, None, None, None, :], s_p, _NEG)
+    s_g = jnp.einsum("bkgqh,bkghs->bkgqs", q, gk.astype(cd),
+                     preferred_element_type=jnp.float32) * scale
+    s_g = jnp.where(gen_valid_S, s_g, _NEG)
+    s_n = jnp.einsum("bkgqh,bkgh->bkgq", q, nk.astype(cd),
+                     preferred_element_type=jnp.float32)[..., None] * scale
+    # softmax over [prompt slots, generated slots, itself] without concatenating them
+    m = jnp.maximum(jnp.maximum(jnp.max(s_p, axis=-1, keepdims=True),
+                                jnp.max(s_g, axis=-1, keepdims=True)), s_n)
+    e_p, e_g, e_n = jnp.exp(s_p - m), jnp.exp(s_g - m), jnp.exp(s_n - m)
+    inv = 1.0 / (jnp.sum(e_p, axis=-1, keepdims=True) + jnp.sum(e_g, axis=-1, keepdims=True)
+                 + e_n)
+    o = (jnp.einsum("bkgqs,bksh->bkgqh", (e_p * inv).astype(cd), pv.astype(cd))
+         + jnp.einsum("bkgqs,bkgsh->bkgqh", (e_g * inv).astype(cd), gv.astype(cd))
+         + (e_n * inv).astype(cd) * nv[:, :, :, None, :].astype(cd))
+    return o.transpose(0, 2, 1, 3, 4).reshape(r, attn.n * h)
+
+
+def _step(model, tok_R, pos_R, slot, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=None):
+    """Feeds one token per row at positions pos_R; writes its K/V at generated slot `slot`.
+
+    Returns (float32 logits [R, V], updated generated-token cache)."""
+    inv_freq = rope_inv_freq(model.cfg)
+    gen_valid_S = jnp.arange(gen_kv[0][1].shape[3]) < slot
+    x = placement.on(lay, model.embed_tokens[...][tok_R].astype(model.compute_dtype))
+    r = x.shape[0]
+    b = r // g
+    new_gen = []
+    for layer, pkv, (gk, gv) in zip(model.layers, prompt_kv, gen_kv):
+        attn = layer.self_attn
+        hid = layer.input_layernorm(x)
+        q = attn.q_proj(hid).reshape(r, 1, attn.n, attn.h)
+        k = attn.k_proj(hid).reshape(r, 1, attn.k, attn.h)
+        v = attn.v_proj(hid).reshape(b, g, attn.k, attn.h).transpose(0, 2, 1, 3)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q, pos_R[:, None], inv_freq).reshape(r, attn.n * attn.h)
+        k = apply_rope(k, pos_R[:, None], inv_freq).reshape(b, g, attn.k, attn.h)
+        k = k.transpose(0, 2, 1, 3)  # [B, K, G, H]
+        a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_S, (k, v), g)
+        # The cache is written after it is read, and XLA must know it to write in place (else
+        # it copies the whole cache every step): a zero that depends on the row's attention
+        # output orders the write after the reads.
+        after = (0.0 * a[:, :1]).reshape(b, 1, g, 1)
+        gk = jax.lax.dynamic_update_slice(gk, (k + after)[..., None].astype(gk.dtype),
+                                          (0, 0, 0, 0, slot))
+        gv = jax.lax.dynamic_update_slice(gv, (v + after)[:, :, :, None].astype(gv.dtype),
+                                          (0, 0, 0, slot, 0))
+        new_gen.append((gk, gv))
+        x = x + attn.o_proj(a)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return (placement.on(lay, model.logits(model.norm(x))),
+            placement.on(lay, tuple(new_gen), kv_dim=1))
+
+
+# ---- the programs ----------------------------------------------------------------------------
+
+def prefill_rows(cfg, b: int, p: int) -> int:
+    """Prompts per prefill chunk: the model's attention materialises [rows, N, P, P] float32
+    scores, so long prompts are prefilled a power-of-two number of rows at a time."""
+    rows = b
+    while rows > 1 and rows * cfg.num_heads * p * p * 4 > PREFILL_SCORES_BYTES:
+        rows //= 2
+    return rows
+
+
+def _on_cache(lay, cache: KVCache) -> KVCache:
+    """A prompt cache (k, v [B, P, K, H] per layer) constrained to the layout (inside jit)."""
+    if lay is None:
+        return cache
+    kv = (placement.spec(lay, 2),) * len(cache.k)
+    return jax.lax.with_sharding_constraint(
+        cache, KVCache(k=kv, v=kv, mask_BxS=placement.spec(lay),
+                       index=placement.replicated(lay)))
+
+
+def cache_shardings(lay, cfg) -> KVCache:
+    """Shardings of a prompt cache: k, v [B, P, K, H] per layer, mask [B, P], index scalar."""
+    kv = (placement.spec(lay, 2),) * cfg.num_layers
+    return KVCache(k=kv, v=kv, mask_BxS=placement.spec(lay), index=placement.replicated(lay))
+
+
+def prefill(graphdef, lay, params, cache_B: KVCache, prompt_BxP, mask_BxP):
+    """Runs the B prompts once into their cache; returns (last-position logits [B, V], cache)."""
+    TRACE_COUNTS["prefill"] += 1
+    model = nnx.merge(graphdef, placement.sampler_params(params, lay))
+    b, p = prompt_BxP.shape
+    rows = prefill_rows(model.cfg, b, p)
+    if rows >= b:
+        h, cache_B = model.hidden(prompt_BxP, mask_BxT=mask_BxP, cache=cache_B)
+        return placement.on(lay, model.logits(h[:, -1:])[:, 0]), _on_cache(lay, cache_B)
+
+    def chunk(xs):  # `rows` prompts at a time (sequentially), each into a fresh cache
+        tok, mask = xs
+        c = init_cache(model.cfg, rows, p, cache_B.k[0].dtype)
+        h, c = model.hidden(tok, mask_BxT=mask, cache=c)
+        return model.logits(h[:, -1:])[:, 0], c.k, c.v
+
+    n = b // rows
+    logits, ks, vs = jax.lax.map(chunk, (prompt_BxP.reshape(n, rows, p),
+                                         mask_BxP.reshape(n, rows, p)))
+    flat = lambda a: a.reshape((b,) + a.shape[2:])  # noqa: E731
+    cache_B = KVCache(k=tuple(map(flat, ks)), v=tuple(map(flat, vs)),
+                      mask_BxS=mask_BxP.astype(bool), index=jnp.asarray(p, jnp.int32))
+    return placement.on(lay, flat(logits)), _on_cache(lay, cache_B)
+
+
+def start(st, lay, cap: int, cache_B: KVCache, logits_BxV, key, prompt_ids_B, valid_B):
+    """(DecodeState with an empty `cap`-slot generated cache, first tokens [R], their
+    log-probs [R]); row (b, g) draws from fold_in(fold_in(key, prompt_ids_B[b]), g)."""
+    TRACE_COUNTS["start"] += 1
+    b, g = logits_BxV.shape[0], st.num_samples
+    _, _, kh, h = cache_B.k[0].shape
+    dtype = cache_B.k[0].dtype
+    prompt_k = placement.on(lay, tuple(k.transpose(0, 2, 3, 1) for k in cache_B.k), kv_dim=1)
+    prompt_v = placement.on(lay, tuple(v.transpose(0, 2, 1, 3) for v in cache_B.v), kv_dim=1)
+    gen_k = placement.on(lay, tuple(jnp.zeros((b, kh, g, h, cap), dtype) for _ in cache_B.k),
+                         kv_dim=1)
+    gen_v = placement.on(lay, tuple(jnp.zeros((b, kh, g, cap, h), dtype) for _ in cache_B.k),
+                         kv_dim=1)
+    pid_R = jnp.repeat(prompt_ids_B.astype(jnp.int32), g)
+    sid_R = jnp.tile(jnp.arange(g, dtype=jnp.int32), b)
+    keys_R = jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(key, p), s))(pid_R,
+                                                                                        sid_R)
+    keys_R, valid_R = placement.on(lay, (keys_R, jnp.repeat(valid_B, g)))
+    tok, logp = select(placement.on(lay, jnp.repeat(logits_BxV, g, axis=0)), keys_R, 0, st)
+    pos0_R = jnp.repeat(jnp.sum(cache_B.mask_BxS, axis=1, dtype=jnp.int32), g)
+    state = DecodeState(
+        prompt_k=prompt_k, prompt_v=prompt_v, prompt_mask_BxP=cache_B.mask_BxS,
+        gen_k=gen_k, gen_v=gen_v, pos0_R=pos0_R, keys_R=keys_R, last_R=tok,
+        done_R=~valid_R | is_eos(tok, st.eos_ids), lengths_R=valid_R.astype(jnp.int32))
+    tok, logp = placement.on(lay, (jnp.where(valid_R, tok, st.pad_id),
+                                   jnp.where(valid_R, logp, 0.0)))
+    return state, tok, logp
+
+
+def segment(graphdef, st, lay, seg: int, params, state: DecodeState, t0):
+    """Decodes steps t0, t0+1, ... (at most `seg`, ending at max_new_tokens or when every row
+    has finished); step t feeds token t-1 (position pos0 + t - 1, generated slot t - 1), so the
+    cache must hold slot t0 + seg - 2 (or the last one). Returns (state, tokens [R, seg]
+    (`pad_id` where a row had finished or the step did not run), log-probs [R, seg] (0 there),
+    steps run)."""
+    TRACE_COUNTS["decode"] += 1
+    model = nnx.merge(graphdef, placement.sampler_params(params, lay))
+    g, r, pad = state.group, state.rows, st.pad_id
+    prompt_kv = tuple(zip(state.prompt_k, state.prompt_v))
+
+    def cond(c):
+        i, _, _, _, _, _, done = c
+        return (i < seg) & (t0 + i < st.max_new_tokens) & ~jnp.all(done)
+
+    def body(c):
+        i, gen_kv, toks, logps, lengths, last, done = c
+        t = t0 + i
+        logits, gen_kv = _step(model, last, state.pos0_R + t - 1, t - 1, prompt_kv,
+                               state.prompt_mask_BxP, gen_kv, g, lay)
+        tok, logp = select(logits, state.keys_R, t, st)
+        live = ~done
+        toks = jax.lax.dynamic_update_slice(toks, jnp.where(live, tok, pad)[:, None], (0, i))
+        logps = jax.lax.dynamic_update_slice(logps, jnp.where(live, logp, 0.0)[:, None], (0, i))
+        lengths = lengths + live.astype(jnp.int32)
+        done = done | is_eos(tok, st.eos_ids)
+        return (i + 1, gen_kv, *placement.on(lay, (toks, logps, lengths, tok, done)))
+
+    toks = placement.on(lay, jnp.full((r, seg), pad, jnp.int32))
+    logps = placement.on(lay, jnp.zeros((r, seg), jnp.float32))
+    init = (jnp.asarray(0, jnp.int32), tuple(zip(state.gen_k, state.gen_v)), toks, logps,
+            state.lengths_R, state.last_R, state.done_R)
+    n, gen_kv, toks, logps, lengths, last, done = jax.lax.while_loop(cond, body, init)
+    state = state.replace(gen_k=tuple(k for k, _ in gen_kv), gen_v=tuple(v for _, v in gen_kv),
+                          lengths_R=lengths, last_R=last, done_R=done)
+    return state, toks, logps, n
+
+
+def regroup(lay, cap: int, state: DecodeState, index_R=None, keep_R=None):
+    """The state with a `cap`-slot generated cache (cap >= its slots) and, with `index_R`,
+    only the rows index_R, one row per group (its prompt's keys/values copied); rows where
+    `keep_R` is False are padding, marked finished."""
+    TRACE_COUNTS["regroup"] += 1
+    grow = cap - state.slots
+    gen_k = tuple(jnp.pad(k, ((0, 0),) * 4 + ((0, grow),)) for k in state.gen_k)
+    gen_v = tuple(jnp.pad(v, ((0, 0),) * 3 + ((0, grow), (0, 0))) for v in state.gen_v)
+    if index_R is None:
+        return state.replace(gen_k=placement.on(lay, gen_k, kv_dim=1),
+                             gen_v=placement.on(lay, gen_v, kv_dim=1))
+    b_R, g_R = index_R // state.group, index_R % state.group
+    rows = lambda x: placement.on(lay, jnp.take(x, index_R, axis=0))  # noqa: E731
+    return DecodeState(
+        prompt_k=placement.on(lay, tuple(jnp.take(k, b_R, axis=0) for k in state.prompt_k),
+                              kv_dim=1),
+        prompt_v=placement.on(lay, tuple(jnp.take(v, b_R, axis=0) for v in state.prompt_v),
+                              kv_dim=1),
+        prompt_mask_BxP=placement.on(lay, jnp.take(state.prompt_mask_BxP, b_R, axis=0)),
+        gen_k=placement.on(lay, tuple(k[b_R, :, g_R][:, :, None] for k in gen_k), kv_dim=1),
+        gen_v=placement.on(lay, tuple(v[b_R, :, g_R][:, :, None] for v in gen_v), kv_dim=1),
+        pos0_R=rows(state.pos0_R), keys_R=rows(state.keys_R), last_R=rows(state.last_R),
+        done_R=rows(state.done_R) | ~keep_R, lengths_R=rows(state.lengths_R))
