@@ -136,7 +136,7 @@ def test_state_bytes_match_live_arrays():
 def test_kv_cache_matches_what_the_sampler_allocates(monkeypatch, sizes):
     """The estimate equals, per device, the prompt and generated-token caches that
     `sampling.sample` hands its programs, buckets included (5 prompts -> 8 prompt rows of 3
-    answers, 20 tokens -> 32 columns, 13 new tokens -> 16 slots, allocated at once); on a mesh
+    answers, 20 tokens -> 24 columns, 13 new tokens -> 16 slots, allocated at once); on a mesh
     rows split over data*fsdp, KV heads over tensor (None: no mesh, one device). The state of
     fewer rows that a regroup builds (15 live rows -> 16) fits the estimated transient."""
     seen = {"regroup": []}
@@ -176,8 +176,8 @@ def test_kv_cache_matches_what_the_sampler_allocates(monkeypatch, sizes):
     assert cache + index == seen["prompt"] + seen["gen"]
     assert seen["regroup"] and max(seen["regroup"]) <= work
     if sizes is None:  # 2 layers x (k, v) x 2 kv heads x 16 dims x 2 bytes x slots, + mask
-        assert cache == 2 * 2 * 2 * 16 * 2 * (8 * 32 + 8 * 3 * 16) + 8 * 32
-        assert max(seen["regroup"]) == 2 * 2 * 2 * 16 * 2 * 16 * (32 + 16)
+        assert cache == 2 * 2 * 2 * 16 * 2 * (8 * 24 + 8 * 3 * 16) + 8 * 24
+        assert max(seen["regroup"]) == 2 * 2 * 2 * 16 * 2 * 16 * (24 + 16)
 
 
 def test_kv_cache_splits_rows_and_heads():

@@ -17,7 +17,7 @@ from sage_jax.config import MeshConfig
 from sage_jax.engine import sampling
 from sage_jax.engine.select import select
 
-T = 72  # several segments of sampling.DECODE_SEGMENT steps; the cache grows 32 -> 64 -> 72
+T = 150  # many segments of sampling.DECODE_SEGMENT steps; the cache grows 128 -> 152
 
 
 def _model(seed=0):
@@ -63,7 +63,8 @@ def _naive(model, prompts, *, g, key, st, eos):
 
 def _eos_for_mixed_ends(tokens):
     """EOS ids, absent from row 0's tokens (so it runs to the cap), chosen one by one so that
-    rows 1, 2, ... end near steps 1, 5, 12, 20, 33, 45, 60 without cutting earlier rows."""
+    rows 1, 2, ... end near steps 1, 5, 12, 20, 33, 45, 60, 90, 120 without cutting earlier
+    rows."""
     first = [{} for _ in tokens]
     for r, row in enumerate(tokens):
         for t, x in enumerate(row.tolist()):
@@ -74,7 +75,7 @@ def _eos_for_mixed_ends(tokens):
     def end(r, ids):
         return min([first[r][x] for x in ids if x in first[r]], default=T)
 
-    for r, target in zip(range(1, len(tokens)), (1, 5, 12, 20, 33, 45, 60)):
+    for r, target in zip(range(1, len(tokens)), (1, 5, 12, 20, 33, 45, 60, 90, 120)):
         if end(r, eos) < T:
             continue  # already ended by an earlier choice
         ok = [x for x in never if x in first[r]
@@ -129,7 +130,7 @@ def test_logprobs_of_regrouped_rows_equal_the_full_forward(case):
         ref = jax.nn.log_softmax(logits[plen - 1:plen - 1 + n], axis=-1)
         np.testing.assert_allclose(out.logprobs[r, :n],
                                    np.take_along_axis(np.asarray(ref), out.tokens[r, :n, None],
-                                                      -1)[:, 0], atol=2e-5)
+                                                      -1)[:, 0], atol=2e-5, rtol=2e-5)
         assert (out.logprobs[r, n:] == 0).all() and (out.tokens[r, n:] == 0).all()
 
 

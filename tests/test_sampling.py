@@ -193,7 +193,7 @@ def test_second_batch_in_the_same_bucket_does_not_recompile():
                       key=jax.random.PRNGKey(5))
     assert sampling.TRACE_COUNTS == before
     assert (prefill._cache_size(), segment._cache_size()) == sizes
-    # A new bucket (112 prompt tokens, used by no other test) does compile: the counter works.
+    # A new bucket (128 prompt tokens, used by no other test) does compile: the counter works.
     sampling.generate(model, _prompts(97, [100], seed=9), **kw)
     assert sampling.TRACE_COUNTS["prefill"] == before["prefill"] + 1
     assert sampling.TRACE_COUNTS["decode"] == before["decode"] + 1
@@ -291,13 +291,12 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_buckets():
-    assert [sampling.prompt_bucket(n) for n in (1, 16, 17, 64, 65, 141, 1000)] == [
-        16, 16, 32, 64, 80, 144, 1024]
-    assert [sampling.row_bucket(n) for n in (1, 8, 9, 13, 17, 25, 33, 100)] == [
-        8, 8, 12, 16, 24, 32, 48, 128]
-    assert [sampling.row_bucket(n, shards=8) for n in (1, 9, 17, 25)] == [8, 16, 24, 32]
-    assert [sampling.slot_bucket(n, 384) for n in (1, 16, 33, 200, 300)] == [32, 32, 64, 256,
-                                                                             384]
+    assert [sampling.prompt_bucket(n) for n in (1, 16, 17, 25, 64, 65, 141, 1000)] == [
+        16, 16, 24, 32, 64, 96, 192, 1024]
+    assert [sampling.row_bucket(n) for n in (1, 8, 9, 17, 33, 100)] == [8, 8, 16, 32, 64, 128]
+    assert [sampling.row_bucket(n, shards=6) for n in (1, 13, 25)] == [12, 24, 48]
+    assert [sampling.slot_bucket(n, 384) for n in (1, 129, 200, 300)] == [128, 256, 256, 384]
+    assert sampling.slot_bucket(16, 72) == sampling.gen_slots(72) == 72
     assert [sampling.batch_bucket(n) for n in (1, 8, 9, 128, 129)] == [8, 8, 16, 128, 256]
 
 

@@ -104,11 +104,11 @@ def run(args) -> None:
     model, tokens, mask, loss_mask = (_real_rows if is_real else _synthetic_rows)(pc, w)
     (rows, seq), t = tokens.shape, s["max_new_tokens"]
     micro = min(MICRO_BATCH, rows)
+    group = max(2, s["samples_per_prompt"])  # (the step itself takes the advantages as given)
     cfg = config_lib.Config(
         model=config_lib.ModelConfig(dtype="float32", compute_dtype="float32", remat=False),
-        rl=config_lib.RLConfig(method="grpo", prompts_per_step=rows // s["samples_per_prompt"],
-                               group_size=s["samples_per_prompt"], max_new_tokens=t,
-                               minibatches=1, micro_batch_size=micro),
+        rl=config_lib.RLConfig(method="grpo", prompts_per_step=rows // group, group_size=group,
+                               max_new_tokens=t, minibatches=1, micro_batch_size=micro),
         mesh=config_lib.MeshConfig(data=-1))
     mesh = parallel.make_mesh(cfg.mesh)
     graphdef, state = update.init_train_state(model, cfg, mesh)

@@ -15,21 +15,21 @@ Two entry points:
 How a call runs (the device programs are in `decode`):
 
 1. Bucketing. Prompts are left-padded (mask True on the valid suffix). The prompt length is
-   rounded up by `length_bucket` (eight sizes per octave, at least 16) and the number of prompts
-   to a power of two >= 8; padding rows are marked finished from the start and dropped from the
+   rounded up to a power of two or 1.5 times one (at least 16) and the number of prompts to a
+   power of two >= 8; padding rows are marked finished from the start and dropped from the
    output.
 2. Prefill: the B prompts run once through the model (a prompt is never prefilled G times); only
    the last position's logits are computed. Every row draws its first token.
-3. Decode, `DECODE_SEGMENT` steps per jitted `lax.while_loop` (no host synchronisation inside;
-   the state is donated and updated in place). A row attends to its prompt's keys/values, read
-   once for the G rows that share them, and to its own generated ones. Between segments the host
-   reads which rows have finished and, when the running rows fit a smaller row bucket (8, 12, 16,
-   24, 32, 48, ...: powers of two and 1.5 times them), gathers them into it (one row per group
-   from then on, the prompt's keys/values copied); the generated-token cache starts at
-   `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots in use.
-   Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached per
-   shape: a run compiles one segment program per (prompt bucket, row bucket, cache size) it
-   meets.
+3. Decode, `DECODE_SEGMENT` steps (all T without EOS ids) per jitted `lax.while_loop` (no
+   host synchronisation inside; the state is donated and updated in place). A row attends to
+   its prompt's keys/values, read once for the G rows that share them, and to its own generated
+   ones. Between segments the host reads which rows have finished and, when the running rows
+   fit a smaller row bucket (8, 16, 32, ...: at most half the rows), gathers them into it (one
+   row per group from then on, the prompt's keys/values copied); the generated-token cache
+   starts at `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots
+   in use. Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached
+   per shape: a run compiles one segment program per (prompt bucket, row bucket, cache size)
+   it meets.
 
 Sampling knobs (`select`): `temperature`, `top_p`, `top_k` and `eos_ids` are *static* (part of
 the compiled program's key; a run uses two or three settings -- training 1.0/1.0/0, evaluation
@@ -72,11 +72,11 @@ from sage_jax import distributed, parallel
 from sage_jax.engine import decode, placement
 from sage_jax.models.decoder import init_cache
 
-PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 32, 48, ..., 128, 144, 160, ...
+PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 24, 32, 48, 64, 96, 128, ...
 BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
 DECODE_SEGMENT = 16  # decode steps per program call; the host regroups rows in between
-SLOT_BUCKET_MIN = 32  # the generated-token cache holds 32, 64, 128, ... slots (as it fills)
-ROW_BUCKET_MIN = 8  # rows are regrouped into 8, 12, 16, 24, 32, ... (at least the row shards)
+SLOT_BUCKET_MIN = 128  # the generated-token cache holds 128, 256, 512, ... slots (as it fills)
+ROW_BUCKET_MIN = 8  # rows are regrouped into 8, 16, 32, ... (a multiple of the row shards)
 TRACE_COUNTS = decode.TRACE_COUNTS
 
 
@@ -103,9 +103,12 @@ def length_bucket(n: int) -> int:
 
 
 def prompt_bucket(n: int) -> int:
-    """Padded prompt length for prompts of at most n tokens (`length_bucket`): the prefill
-    and every decode step's attention cost follow it."""
-    return length_bucket(n)
+    """Padded prompt length for prompts of at most n tokens: a power of two or 1.5 times one,
+    at least 16 (the prefill and every decode step's attention cost follow it; each size is a
+    program to compile)."""
+    n = max(int(n), 1)
+    c = 1 << max(n - 1, 0).bit_length()  # the power of two >= n
+    return max(PROMPT_BUCKET_MIN, c * 3 // 4 if c * 3 // 4 >= n else c)
 
 
 def batch_bucket(n: int) -> int:
@@ -114,14 +117,12 @@ def batch_bucket(n: int) -> int:
 
 
 def row_bucket(n: int, shards: int = 1) -> int:
-    """Rows a decode segment runs for n live rows: the smallest power of two or 1.5 times one
-    that holds them, at least `ROW_BUCKET_MIN` and a multiple of `shards` (the row shards)."""
-    c = max(ROW_BUCKET_MIN, shards)
-    while True:
-        for size in (c, c + c // 2):
-            if size >= n and size % shards == 0:
-                return size
+    """Rows a decode segment runs for n live rows: the smallest of m, 2m, 4m, ... that holds
+    them, m = the least multiple of `shards` (the row shards) >= `ROW_BUCKET_MIN`."""
+    c = -(-ROW_BUCKET_MIN // shards) * shards
+    while c < n:
         c *= 2
+    return c
 
 
 def gen_slots(max_new_tokens: int) -> int:
@@ -309,20 +310,23 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
                                     shapes, decode.cache_shardings(lay, cfg))
     logits, prompt_cache = _jitted("prefill", graphdef, None, lay)(params, prompt_cache, tokens,
                                                                    mask)
-    cap = slot_bucket(DECODE_SEGMENT, st.max_new_tokens)
+    seg = DECODE_SEGMENT if st.eos_ids else st.max_new_tokens  # without EOS no row ends early
+    cap = slot_bucket(seg, st.max_new_tokens)
     state, tok0, logp0 = _jitted("start", None, st, lay, cap)(prompt_cache, logits, key, ids,
                                                                valid)
     del prompt_cache
-    out = _decode_segments(graphdef, params, st, mesh, lay, state, tok0, logp0)
+    out = _decode_segments(graphdef, params, st, mesh, lay, seg, state, tok0, logp0)
     if bb != b:
         out = jax.tree.map(lambda x: x[:b], out)
     return out
 
 
-def _decode_segments(graphdef, params, st: _Static, mesh, lay, state, tok0_R, logp0_R):
+def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, tok0_R,
+                     logp0_R):
     """Runs decode segments until every row has finished or T tokens; between segments drops
     finished rows into a smaller row bucket and grows the generated-token cache. `lay`: the
-    placement of `state` (from `start`). Returns the SampleOutput ([B, G, T] host arrays)."""
+    placement of `state` (from `start`); `seg`: steps per segment. Returns the SampleOutput
+    ([B, G, T] host arrays)."""
     t_max, g = st.max_new_tokens, st.num_samples
     r0 = state.rows
     shards = 1 if mesh is None else parallel.row_shards(mesh)
@@ -336,7 +340,7 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, state, tok0_R, lo
     while t < t_max and not done.all():
         live = np.flatnonzero(~done)
         rows = row_bucket(live.size, shards)
-        cap = max(state.slots, slot_bucket(t + DECODE_SEGMENT - 1, t_max))
+        cap = max(state.slots, slot_bucket(t + seg - 1, t_max))
         if rows < state.rows:  # the running rows fit a smaller bucket: gather them
             index = np.concatenate([live, np.full(rows - live.size, live[0])]).astype(np.int32)
             keep = np.arange(rows) < live.size
@@ -346,7 +350,7 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, state, tok0_R, lo
             row_ids = np.where(keep, row_ids[index], -1)
         elif cap > state.slots:  # the cache is full: grow it
             state = _jitted("regroup", None, None, lay, cap)(state)
-        state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay, DECODE_SEGMENT)(
+        state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay, seg)(
             params, state, _put(np.int32(t), lay))
         seg_tok, seg_logp, seg_len, done, n = distributed.fetch(
             (seg_tok, seg_logp, state.lengths_R, state.done_R, n))
