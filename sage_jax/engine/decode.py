@@ -167,20 +167,17 @@ def prefill_rows(cfg, b: int, p: int) -> int:
     return rows
 
 
+def cache_shardings(lay, num_layers: int) -> KVCache:
+    """Shardings of a prompt cache: k, v [B, P, K, H] per layer, mask [B, P], index scalar."""
+    kv = (placement.spec(lay, 2),) * num_layers
+    return KVCache(k=kv, v=kv, mask_BxS=placement.spec(lay), index=placement.replicated(lay))
+
+
 def _on_cache(lay, cache: KVCache) -> KVCache:
-    """A prompt cache (k, v [B, P, K, H] per layer) constrained to the layout (inside jit)."""
+    """A prompt cache constrained to `cache_shardings` (inside jit)."""
     if lay is None:
         return cache
-    kv = (placement.spec(lay, 2),) * len(cache.k)
-    return jax.lax.with_sharding_constraint(
-        cache, KVCache(k=kv, v=kv, mask_BxS=placement.spec(lay),
-                       index=placement.replicated(lay)))
-
-
-def cache_shardings(lay, cfg) -> KVCache:
-    """Shardings of a prompt cache: k, v [B, P, K, H] per layer, mask [B, P], index scalar."""
-    kv = (placement.spec(lay, 2),) * cfg.num_layers
-    return KVCache(k=kv, v=kv, mask_BxS=placement.spec(lay), index=placement.replicated(lay))
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(lay, len(cache.k)))
 
 
 def prefill(graphdef, lay, params, cache_B: KVCache, prompt_BxP, mask_BxP):

@@ -307,7 +307,7 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
         key = _put(key, lay)
         shapes = jax.eval_shape(lambda: init_cache(cfg, bb, pb, dtype))
         prompt_cache = jax.tree.map(lambda a, sh: jnp.zeros(a.shape, a.dtype, device=sh),
-                                    shapes, decode.cache_shardings(lay, cfg))
+                                    shapes, decode.cache_shardings(lay, cfg.num_layers))
     logits, prompt_cache = _jitted("prefill", graphdef, None, lay)(params, prompt_cache, tokens,
                                                                    mask)
     seg = DECODE_SEGMENT if st.eos_ids else st.max_new_tokens  # without EOS no row ends early
