@@ -48,6 +48,8 @@ import json
 import logging
 import os
 import shutil
+import sys
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -197,6 +199,23 @@ def _one_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
+def _drop_closed_loop_errors() -> None:
+    """Drops, for the rest of the process, the unraisable "Event loop is closed" errors that
+    orbax's writer threads raise after a failed write closed their event loop: hundreds of
+    tracebacks that would bury the real error, some printed after it."""
+    hook = sys.unraisablehook
+    if getattr(hook, "drops_closed_loop_errors", False):
+        return
+
+    def drop(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            hook(unraisable)
+
+    drop.drops_closed_loop_errors = True
+    sys.unraisablehook = drop
+
+
 def _file_sums(step_dir: Path) -> dict[str, list[int]]:
     """{relative path: [size, crc32]} of every file of a step directory but the checksum file."""
     out = {}
@@ -334,9 +353,16 @@ class Checkpointer:
                 EXTRA_ITEM: ocp.args.JsonSave(extra),
             }
         )
+        _drop_closed_loop_errors()
         try:
             saved = self._mgr.save(step, args=args, force=True)
+            if saved:
+                self._unsummed.append(step)
+            if not self.async_save:
+                self.wait()  # a failed write may surface only here, when its commit is awaited
         except Exception as e:
+            self._unsummed = [s for s in self._unsummed if s != step]
+            self._settle()
             full = any(m in str(e) for m in ("No space left", "File too large", "Disk quota"))
             why = "The disk is full (or a file-size limit was hit): " if full else ""
             kept = (f"the last good checkpoint (step {latest}) is intact" if latest is not None
@@ -345,11 +371,18 @@ class Checkpointer:
                 f"saving checkpoint step {step} to {self.step_dir(step)} failed; {kept}. "
                 f"{why}{type(e).__name__}: {_one_line(str(e), 400)}"
             ) from e
-        if saved:
-            self._unsummed.append(step)
-        if not self.async_save:
-            self.wait()
         return bool(saved)
+
+    def _settle(self) -> None:
+        """Joins orbax's writer threads after a failed save, so that they neither print over the
+        error nor raise it a second time when the checkpointer is closed, and mutes the echoes of
+        the same failure that its abandoned tasks print when they are garbage-collected."""
+        try:
+            self._mgr.wait_until_finished()
+        except Exception:  # the failure being reported by the caller
+            pass
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
 
     def _write_checksums(self) -> None:
         """The checksum files of the steps committed since the last call (primary process)."""

@@ -167,8 +167,11 @@ def test_a_full_disk_during_save_stops_cleanly_and_keeps_the_last_checkpoint(tmp
     worker = Path(__file__).with_name("diskfull_worker.py")
     got = subprocess.run([sys.executable, str(worker), str(run)], capture_output=True, text=True,
                          timeout=600)
-    (last,) = [x for x in got.stderr.splitlines() if x.startswith("error:")]  # one error line
     assert got.returncode == 2, got.stderr[-3000:]
+    errors = [x for x in got.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1, got.stderr[-3000:]  # one error line, after orbax's threads are done
+    assert got.stderr.rstrip().endswith(errors[0])  # the last word, not lost among tracebacks
+    last = errors[0]
     assert last.startswith("error: saving checkpoint step 2 ") and (
         "the last good checkpoint (step 1) is intact" in last and "The disk is full" in last), last
     assert checkpoint.Checkpointer(run, keep=3).all_steps() == [1]
