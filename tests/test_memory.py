@@ -16,7 +16,7 @@ from flax import nnx
 
 from sage_jax.run import build
 from sage_jax.core import grpo
-from sage_jax.engine import memory, sampling, update
+from sage_jax.engine import memory, packing, sampling, update
 from sage_jax import models, parallel
 from sage_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, RLConfig
 from sage_jax.config import TrainConfig
@@ -215,7 +215,8 @@ def residual_bytes(cfg) -> int:
     """Bytes the forward pass of one micro-batch's loss keeps for its backward pass (the vjp's
     residuals), each buffer once, the parameters themselves excluded."""
     graphdef, params = models.split(make_model(cfg))
-    mb = {k: jnp.asarray(v[:MICRO]) for k, v in make_batch().items()}
+    mb = {k: jnp.asarray(v[:MICRO]) for k, v in packing.as_packed(make_batch()).items()
+          if k.endswith("_SxL")}  # the loss's per-token layout (one row per sequence)
     loss = functools.partial(update._micro_loss, graphdef=graphdef, rl=cfg.rl, chunk=CHUNK,
                              remat=True, rows=parallel.rows_sharding(make_mesh((1, 1, 1))))
     _, vjp_fn = jax.vjp(lambda p: loss(p, mb, (jnp.float32(400), jnp.float32(8)))[0], params)

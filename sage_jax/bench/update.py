@@ -10,13 +10,14 @@ tokens/s per core this process got (`cpu_during_timed.own_cores`), for contended
 
 On the `real` workload (`bench.real`: SmolLM2-135M-Instruct, GSM8K chat prompts) the rows are
 the sampler's own greedy answers to the prompts (sampled once, untimed), each prompt + answer,
-right-padded to a `sampling.length_bucket` as the trainer's batches are; tokens_per_s counts
-real (prompt + answer) tokens, and "padding_share" is the share of the batch's token slots that
-are padding.
+right-padded to a `sampling.length_bucket` as the trainer's batches are, then packed end to end
+(`rl.padding_free`, the default) unless SAGE_JAX_BENCH_PADDING_FREE=0; tokens_per_s counts real
+(prompt + answer) tokens, "padding_share" is the share of the token slots the update computes
+that are padding, "padded_share" that of the right-padded batch.
 
 Settings (environment): SAGE_JAX_BENCH_MICRO rows per micro-batch (16), SAGE_JAX_BENCH_CHUNK
 sequence columns per logits chunk (64), SAGE_JAX_BENCH_REMAT_LOGITS recompute chunk logits in the
-backward pass (1, the library default).
+backward pass (1, the library default), SAGE_JAX_BENCH_PADDING_FREE pack the rows (1).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from sage_jax.engine import sampling, update
 MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch
 CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
 REMAT = os.environ.get("SAGE_JAX_BENCH_REMAT_LOGITS", "1") == "1"  # recompute chunk logits
+PADDING_FREE = os.environ.get("SAGE_JAX_BENCH_PADDING_FREE", "1") == "1"  # pack the rows
 
 
 def model_flops(w: dict, rows: int, seq: int) -> float:
@@ -108,16 +110,21 @@ def run(args) -> None:
     cfg = config_lib.Config(
         model=config_lib.ModelConfig(dtype="float32", compute_dtype="float32", remat=False),
         rl=config_lib.RLConfig(method="grpo", prompts_per_step=rows // group, group_size=group,
-                               max_new_tokens=t, minibatches=1, micro_batch_size=micro),
+                               max_new_tokens=t, minibatches=1, micro_batch_size=micro,
+                               padding_free=PADDING_FREE),
         mesh=config_lib.MeshConfig(data=-1))
     mesh = parallel.make_mesh(cfg.mesh)
     graphdef, state = update.init_train_state(model, cfg, mesh)
     rng = np.random.default_rng(w["timing"].get("seed", 0))
     old = update.make_logprob_fn(graphdef, mesh, micro_batch_size=micro, chunk=CHUNK)(
         state.params, tokens, mask, loss_mask)
-    batch = parallel.shard_batch(dict(
-        tokens_NxL=tokens, mask_NxL=mask, loss_mask_NxL=loss_mask, old_logp_NxL=np.asarray(old),
-        advantages_N=rng.standard_normal(rows).astype(np.float32)), mesh)
+    batch = dict(tokens_NxL=tokens, mask_NxL=mask, loss_mask_NxL=loss_mask,
+                 old_logp_NxL=np.asarray(old),
+                 advantages_N=rng.standard_normal(rows).astype(np.float32))
+    if cfg.rl.padding_free:
+        batch = update.pack_batch(batch, cfg)
+    slots = batch["loss_mask_SxL" if cfg.rl.padding_free else "loss_mask_NxL"].size
+    batch = parallel.shard_batch(batch, mesh)
     real_tokens = int(mask.sum())
     step = update.make_train_step(graphdef, cfg, mesh, chunk=CHUNK, remat_logits=REMAT)
     losses = []
@@ -139,7 +146,9 @@ def run(args) -> None:
                   "(fwd+bwd+AdamW, old log-probs given)",
         "answer_tokens_per_s": round(int(loss_mask.sum()) / med, 2),
         "seq_len": seq, "rows": rows, "real_tokens": real_tokens,
-        "padding_share": round(1 - real_tokens / (rows * seq), 4),
+        "padding_free": cfg.rl.padding_free, "sequences": slots // seq,
+        "padding_share": round(1 - real_tokens / slots, 4),
+        "padded_share": round(1 - real_tokens / (rows * seq), 4),
         "micro_batch_size": micro, "logits_chunk": CHUNK, "remat_logits": REMAT,
         "devices": len(jax.devices()), "matmul_flops_per_s": round(mm, 1),
         "tokens_per_s_per_own_core": round(
@@ -154,6 +163,6 @@ def run(args) -> None:
                   tokens_per_call=real_tokens) if args.json else None
     if not args.json:
         pc.log(f"update {args.workload}: {real_tokens / med:,.0f} real tokens/s, median "
-               f"{med:.3f}s, padding {1 - real_tokens / (rows * seq):.1%}, peak RSS "
+               f"{med:.3f}s, padding {1 - real_tokens / slots:.1%}, peak RSS "
                f"{pc.peak_rss_mb():,.0f} MB, matmul {mm / 1e9:.1f} GFLOP/s")
     return rec

@@ -39,7 +39,8 @@ def group_advantages(rewards_BxG: jax.Array, *, scale: str = "group", eps: float
     return jnp.where(collapsed_Bx1, 0.0, centered)
 
 
-def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_len=None):
+def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_len=None,
+              row_len_NxT=None):
     """Masked per-token losses -> one scalar.
 
     token-mean: sum / denom (default: the number of mask tokens).
@@ -48,6 +49,8 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
       over rows / denom.
     For the seq modes denom defaults to the number of rows with at least one mask token. Pass
     the whole mini-batch's count as `denom` so that micro-batch losses add up to its loss.
+    `row_len_NxT`: several rows per line (`engine.packing`), each token carrying its row's mask
+    count; the seq modes then weigh tokens (1 / row count, or 1 / norm_len) and need `denom`.
     """
     if agg not in AGG_MODES:
         raise ValueError(f"loss aggregation {agg!r} is not one of {AGG_MODES}")
@@ -56,6 +59,12 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
     if agg == "token-mean":
         d = jnp.maximum(jnp.sum(m), 1.0) if denom is None else denom
         return jnp.sum(masked) / d
+    if row_len_NxT is not None:
+        if denom is None or norm_len is None and agg == "seq-mean-token-sum-norm":
+            raise ValueError("aggregate over packed rows (row_len_NxT) needs denom and norm_len")
+        if agg == "seq-mean-token-mean":
+            return jnp.sum(masked / jnp.maximum(row_len_NxT, 1.0)) / denom
+        return jnp.sum(masked) / norm_len / denom
     count_N = jnp.sum(m, axis=1)
     if agg == "seq-mean-token-mean":
         seq_N = jnp.sum(masked, axis=1) / jnp.maximum(count_N, 1.0)
@@ -67,12 +76,14 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
 
 def policy_loss(logp_NxT, old_logp_NxT, adv_N, mask_NxT, *, clip_low: float = 0.2,
                 clip_high: float = 0.28, dual_clip: float = 3.0, agg: str = "token-mean",
-                denom=None, norm_len=None, token_denom=None):
+                denom=None, norm_len=None, token_denom=None, row_len_NxT=None):
     """PPO clipped surrogate with clip-higher and dual clip, as verl's `compute_policy_loss`.
 
     ratio = exp(clamp(logp - old_logp, -20, 20));
     pg = max(-A*ratio, -A*clip(ratio, 1-clip_low, 1+clip_high)); for A < 0 and dual_clip > 0,
-    pg = min(pg, -A*dual_clip). Returns (loss, metrics) with the loss aggregated by `aggregate`.
+    pg = min(pg, -A*dual_clip). Returns (loss, metrics) with the loss aggregated by `aggregate`
+    (`row_len_NxT`: packed rows, see there). `adv_N` is one advantage per row, or [N, T] one per
+    token (packed rows: each token carries its row's).
     Metrics are token fractions over `mask_NxT` (divided by `token_denom`, default the mask
     count, so micro-batch metrics add up too):
       clip/frac_low   A < 0 and the ratio was clipped at 1 - clip_low,
@@ -81,10 +92,11 @@ def policy_loss(logp_NxT, old_logp_NxT, adv_N, mask_NxT, *, clip_low: float = 0.
       kl/old_new      k3 estimate of KL(pi_old || pi_new): mean of (ratio - 1) - log(ratio).
     """
     chex.assert_equal_shape([logp_NxT, old_logp_NxT, mask_NxT])
-    chex.assert_rank(adv_N, 1)
+    chex.assert_rank(adv_N, {1, 2})
     log_ratio = jnp.clip(logp_NxT - old_logp_NxT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
-    a = adv_N.astype(jnp.float32)[:, None]
+    a = adv_N.astype(jnp.float32)
+    a = a if a.ndim == 2 else a[:, None]
     pg_unclipped = -a * ratio
     pg_clipped = -a * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg = jnp.maximum(pg_unclipped, pg_clipped)
@@ -94,7 +106,8 @@ def policy_loss(logp_NxT, old_logp_NxT, adv_N, mask_NxT, *, clip_low: float = 0.
         bound = -a * dual_clip
         dual = (a < 0) & (pg > bound)
         pg = jnp.where(a < 0, jnp.minimum(pg, bound), pg)
-    loss = aggregate(pg, mask_NxT, agg=agg, denom=denom, norm_len=norm_len)
+    loss = aggregate(pg, mask_NxT, agg=agg, denom=denom, norm_len=norm_len,
+                     row_len_NxT=row_len_NxT)
     m = mask_NxT.astype(jnp.float32)
     tokens = jnp.maximum(jnp.sum(m), 1.0) if token_denom is None else token_denom
 
@@ -170,22 +183,29 @@ def logprobs_from_hidden(logits_fn, h_NxLxD, tokens_NxL, need_NxL, *, chunk: int
 
 
 def token_logprobs_and_entropy(graphdef, params, tokens_NxL, mask_NxL, *, need_NxL=None,
-                               chunk: int | None = 256):
+                               chunk: int | None = 256, segments_NxL=None):
     """(logp_NxL, entropy_NxL) of the decoder (graphdef, params) on left-padded rows.
 
     `mask_NxL` marks valid tokens (attention and positions); `need_NxL` (default: valid tokens
     with a valid predecessor) marks the columns whose values are wanted, e.g. the loss mask.
+    `segments_NxL` (then `mask_NxL` is None): packed rows, see `Decoder.hidden`.
     """
     model = nnx.merge(graphdef, params)
-    mask = mask_NxL.astype(bool)
-    h = model.hidden(tokens_NxL, mask_BxT=mask)
-    if need_NxL is None:
-        need_NxL = mask & jnp.pad(mask[:, :-1], [(0, 0), (1, 0)])
+    if segments_NxL is not None:
+        mask = segments_NxL > 0
+        h = model.hidden(tokens_NxL, segments_BxT=segments_NxL)
+    else:
+        mask = mask_NxL.astype(bool)
+        h = model.hidden(tokens_NxL, mask_BxT=mask)
+    if need_NxL is None:  # a predecessor in the same row
+        same = mask if segments_NxL is None else segments_NxL
+        need_NxL = mask & (jnp.pad(same[:, :-1], [(0, 0), (1, 0)]) == same)
     return logprobs_from_hidden(model.logits, h, tokens_NxL, need_NxL, chunk=chunk)
 
 
 def token_logprobs(graphdef, params, tokens_NxL, mask_NxL, *, need_NxL=None,
-                   chunk: int | None = 256):
+                   chunk: int | None = 256, segments_NxL=None):
     """logp_NxL: log p(tokens[t] | tokens[<t]) for t >= 1, 0 at t = 0 and where not needed."""
     return token_logprobs_and_entropy(graphdef, params, tokens_NxL, mask_NxL,
-                                      need_NxL=need_NxL, chunk=chunk)[0]
+                                      need_NxL=need_NxL, chunk=chunk,
+                                      segments_NxL=segments_NxL)[0]

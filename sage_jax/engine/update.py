@@ -13,6 +13,10 @@ Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
   collapse_N     int8   optional: the group's first-pass status (`core.sage.COLLAPSE_*` codes:
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
+The packed form of this batch (`engine.packing`: whole rows end to end in S sequences of L
+columns, per mini-batch) gives the same loss and gradients at the cost of the real tokens;
+`pack_batch` makes it, `train_step` takes either.
+
 One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates. Mini-batch j
 holds rows j*U .. j*U+U-1 of every block of M*U rows (M mini-batches of U micro-batches), i.e.
 rows are dealt out in stripes, so every device holds an equal share of every (micro-)batch
@@ -37,10 +41,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sage_jax.core import grpo, sage
 from sage_jax import models, parallel
+from sage_jax.engine import packing
 from sage_jax.engine.state import TrainState, master_params
 
 REQUIRED = ("tokens_NxL", "mask_NxL", "loss_mask_NxL", "advantages_N")
 OPTIONAL = ("old_logp_NxL", "ref_logp_NxL", "level_N", "collapse_N")
+PACKED_REQUIRED = ("tokens_SxL", "segments_SxL", "loss_mask_SxL", "advantages_SxL",
+                   "answer_len_SxL", "advantages_N", "answer_len_N")
+PACKED_OPTIONAL = ("old_logp_SxL", "ref_logp_SxL", "level_N", "collapse_N")
 DEFAULT_CHUNK = 256  # Sequence columns per chunk of logits in the loss.
 
 
@@ -99,31 +107,45 @@ def layout(n: int, rl) -> tuple[int, int, int]:
     return m, n // m // r, r
 
 
+def pack_batch(batch: dict, cfg) -> dict:
+    """The packed form (`engine.packing`) of a padded numpy batch, for `cfg`'s mini-batches."""
+    m, u, r = layout(len(batch["advantages_N"]), cfg.rl)
+    return packing.pack(batch, minibatches=m, micro_batches=u, micro_rows=r)
+
+
 def check_batch(batch: dict, cfg, mesh) -> None:
-    """Raises a ValueError naming the key if `batch` does not fit the layout above or the mesh."""
-    unknown = set(batch) - set(REQUIRED) - set(OPTIONAL)
+    """Raises a ValueError naming the key if `batch` does not fit the layout above (padded or
+    packed) or the mesh."""
+    packed = packing.is_packed(batch)
+    required, optional = (PACKED_REQUIRED, PACKED_OPTIONAL) if packed else (REQUIRED, OPTIONAL)
+    tokens = "tokens_SxL" if packed else "tokens_NxL"
+    unknown = set(batch) - set(required) - set(optional)
     if unknown:
-        raise ValueError(f"unknown batch keys {sorted(unknown)}; valid: {REQUIRED + OPTIONAL}")
-    for key in REQUIRED:
+        raise ValueError(f"unknown batch keys {sorted(unknown)}; valid: {required + optional}")
+    for key in required:
         if key not in batch:
-            raise ValueError(f"batch is missing {key!r} (required: {REQUIRED})")
-    if cfg.rl.kl_beta > 0 and "ref_logp_NxL" not in batch:
-        raise ValueError(f"rl.kl_beta={cfg.rl.kl_beta} needs 'ref_logp_NxL' in the batch")
-    shape = tuple(batch["tokens_NxL"].shape)
-    if len(shape) != 2 or not jnp.issubdtype(batch["tokens_NxL"].dtype, jnp.integer):
-        raise ValueError(f"batch['tokens_NxL'] must be an integer [N, L] array, got "
-                         f"{batch['tokens_NxL'].dtype}{list(shape)}")
-    for key in ("mask_NxL", "loss_mask_NxL", "old_logp_NxL", "ref_logp_NxL"):
-        if key in batch and tuple(batch[key].shape) != shape:
+            raise ValueError(f"batch is missing {key!r} (required: {required})")
+    ref = "ref_logp_SxL" if packed else "ref_logp_NxL"
+    if cfg.rl.kl_beta > 0 and ref not in batch:
+        raise ValueError(f"rl.kl_beta={cfg.rl.kl_beta} needs {ref!r} in the batch")
+    shape = tuple(batch[tokens].shape)
+    if len(shape) != 2 or not jnp.issubdtype(batch[tokens].dtype, jnp.integer):
+        raise ValueError(f"batch[{tokens!r}] must be an integer 2-D array, got "
+                         f"{batch[tokens].dtype}{list(shape)}")
+    n = batch["advantages_N"].shape[0] if packed else shape[0]
+    for key in required + optional:
+        if key in batch and key.endswith("xL") and tuple(batch[key].shape) != shape:
             raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, expected "
-                             f"{list(shape)} like tokens_NxL")
-    for key in ("advantages_N", "level_N", "collapse_N"):
-        if key in batch and tuple(batch[key].shape) != shape[:1]:
+                             f"{list(shape)} like {tokens}")
+        if key in batch and key.endswith("_N") and tuple(batch[key].shape) != (n,):
             raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, "
-                             f"expected [{shape[0]}]")
-    parallel.check_rows(shape[0], mesh)
-    _, _, r = layout(shape[0], cfg.rl)
+                             f"expected [{n}]")
+    parallel.check_rows(n, mesh)
+    m, _, r = layout(n, cfg.rl)
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
+    if packed and shape[0] % (m * r):
+        raise ValueError(f"a packed batch of {shape[0]} sequences is not a whole number of "
+                         f"mini-batches of {m} x {r}-sequence micro-batches (packing.pack)")
 
 
 def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, rl, chunk, remat, rows):
@@ -131,21 +153,22 @@ def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, rl, chunk, remat, 
     `fresh`: `params` are the ones the answers were sampled with, so the old log-probs are the
     current ones (not recomputed: the ratio is exactly 1)."""
     tok_denom, seq_denom = denoms
-    loss_mask = mb["loss_mask_NxL"]
+    loss_mask = mb["loss_mask_SxL"]
     model = nnx.merge(graphdef, params)
-    h = jax.lax.with_sharding_constraint(model.hidden(mb["tokens_NxL"], mask_BxT=mb["mask_NxL"]),
-                                         rows)  # keep rows split (not D) for the logits
-    logp, ent = grpo.logprobs_from_hidden(model.logits, h, mb["tokens_NxL"], loss_mask,
+    h = jax.lax.with_sharding_constraint(
+        model.hidden(mb["tokens_SxL"], segments_BxT=mb["segments_SxL"]),
+        rows)  # keep rows split (not D) for the logits
+    logp, ent = grpo.logprobs_from_hidden(model.logits, h, mb["tokens_SxL"], loss_mask,
                                           chunk=chunk, remat=remat)
-    agg = dict(agg=rl.loss_agg, norm_len=rl.max_new_tokens,
+    agg = dict(agg=rl.loss_agg, norm_len=rl.max_new_tokens, row_len_NxT=mb["answer_len_SxL"],
                denom=tok_denom if rl.loss_agg == "token-mean" else seq_denom)
-    old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_NxL"])
-    pg, metrics = grpo.policy_loss(logp, old, mb["advantages_N"], loss_mask,
+    old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_SxL"])
+    pg, metrics = grpo.policy_loss(logp, old, mb["advantages_SxL"], loss_mask,
                                    clip_low=rl.clip_low, clip_high=rl.clip_high,
                                    dual_clip=rl.dual_clip, token_denom=tok_denom, **agg)
     loss = pg
     if rl.kl_beta > 0:
-        kl = grpo.aggregate(grpo.kl_k3(logp, mb["ref_logp_NxL"]), loss_mask, **agg)
+        kl = grpo.aggregate(grpo.kl_k3(logp, mb["ref_logp_SxL"]), loss_mask, **agg)
         loss = loss + rl.kl_beta * kl
         metrics["kl/ref"] = jax.lax.stop_gradient(kl)
     metrics.update(loss=jax.lax.stop_gradient(loss), pg_loss=jax.lax.stop_gradient(pg),
@@ -154,36 +177,41 @@ def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, rl, chunk, remat, 
 
 
 def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
-    """The batch split to [M, U, R, ...] (row r*M*U + j*U + i -> [j, i, r]), with old log-probs
-    (recomputed from `params` when absent; with `skip_first`, not for mini-batch 0, which the
-    first update takes fresh), and per-mini-batch token and sequence counts."""
-    m, k, r = layout(batch["tokens_NxL"].shape[0], rl)
+    """The per-token arrays of a packed batch split to [M, U, R, ...] (sequence
+    r*M*U + j*U + i -> [j, i, r]), with old log-probs (recomputed from `params` when absent;
+    with `skip_first`, not for mini-batch 0, which the first update takes fresh), and
+    per-mini-batch answer-token and answer counts."""
+    m, _, r = layout(batch["advantages_N"].shape[0], rl)
+    k = batch["tokens_SxL"].shape[0] // (m * r)
     split_sh = NamedSharding(mesh, P(None, None, parallel.ROWS))
 
     def split(x):
         x = jnp.moveaxis(x.reshape(r, m, k, *x.shape[1:]), 0, 2)
         return jax.lax.with_sharding_constraint(x, split_sh)
 
-    data = {key: split(v) for key, v in batch.items()}
-    data["mask_NxL"] = data["mask_NxL"].astype(bool)
-    data["loss_mask_NxL"] = data["loss_mask_NxL"].astype(bool) & data["mask_NxL"]
-    if "old_logp_NxL" not in data:
+    data = {key: split(v) for key, v in batch.items() if key.endswith("_SxL")}
+    data["loss_mask_SxL"] = data["loss_mask_SxL"].astype(bool) & (data["segments_SxL"] > 0)
+    if "old_logp_SxL" not in data:
         def old(mb):
-            return grpo.token_logprobs(graphdef, params, mb["tokens_NxL"], mb["mask_NxL"],
-                                       need_NxL=mb["loss_mask_NxL"], chunk=chunk)
+            return grpo.token_logprobs(graphdef, params, mb["tokens_SxL"], None,
+                                       segments_NxL=mb["segments_SxL"],
+                                       need_NxL=mb["loss_mask_SxL"], chunk=chunk)
         first = k if skip_first else 0
         flat = {key: data[key].reshape(m * k, *data[key].shape[2:])[first:]
-                for key in ("tokens_NxL", "mask_NxL", "loss_mask_NxL")}
+                for key in ("tokens_SxL", "segments_SxL", "loss_mask_SxL")}
         logp = jax.lax.map(old, flat) if first < m * k else None
         if first:
-            zeros = jnp.zeros((first, *data["mask_NxL"].shape[2:]), jnp.float32)
+            zeros = jnp.zeros((first, *data["loss_mask_SxL"].shape[2:]), jnp.float32)
             logp = zeros if logp is None else jnp.concatenate([zeros, logp])
-        logp = logp.reshape(data["mask_NxL"].shape)
-        data["old_logp_NxL"] = jax.lax.stop_gradient(
+        logp = logp.reshape(data["loss_mask_SxL"].shape)
+        data["old_logp_SxL"] = jax.lax.stop_gradient(
             jax.lax.with_sharding_constraint(logp, split_sh))
-    lm = data["loss_mask_NxL"]
+    lm, seg = data["loss_mask_SxL"], data["segments_SxL"]
     tokens_M = jnp.sum(lm, axis=(1, 2, 3)).astype(jnp.float32)
-    seqs_M = jnp.sum(jnp.any(lm, axis=3), axis=(1, 2)).astype(jnp.float32)
+    # An answer ends where the next column is not an answer token of the same row.
+    pad = [(0, 0)] * 3 + [(0, 1)]
+    goes_on = jnp.pad(lm, pad) [..., 1:] & (jnp.pad(seg, pad)[..., 1:] == seg)
+    seqs_M = jnp.sum(lm & ~goes_on, axis=(1, 2, 3)).astype(jnp.float32)
     return data, tokens_M, seqs_M
 
 
@@ -213,7 +241,7 @@ def minibatch_grads(params, batch, *, graphdef, cfg, mesh, chunk=DEFAULT_CHUNK, 
     micro-batches of `cfg.rl.micro_batch_size` rows (what one optimiser update uses)."""
     rl = dataclasses.replace(cfg.rl, minibatches=1)
     kw = dict(graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk)
-    data, tokens_M, seqs_M = _prepare(params, batch, **kw)
+    data, tokens_M, seqs_M = _prepare(params, _packed(batch), **kw)
     return _accumulate(params, jax.tree.map(lambda x: x[0], data), tokens_M[0], seqs_M[0],
                        remat=remat, **kw)
 
@@ -225,7 +253,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
     Metrics (means over the step's optimiser updates): loss, pg_loss, grad_norm (before
     clipping), clip/frac_low, clip/frac_high, clip/frac_dual, kl/old_new, kl/ref (when
     kl_beta > 0), entropy (mean over answer tokens); lr (of the last update); tokens (answer
-    tokens in the batch); with `level_N` / `collapse_N` in the batch, the shares of answer
+    tokens in the batch); batch/padding_share (the share of the token slots the update
+    computes that are padding); with `level_N` / `collapse_N` in the batch, the shares of answer
     tokens from hinted groups (batch/hinted_token_frac) and from groups that collapsed to all
     zero before hints (batch/rescued_token_frac: the tokens SAGE's re-sampling brought back
     into the gradient), and the mean |advantage| over those rows (batch/hinted_abs_adv).
@@ -237,7 +266,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
     kw = dict(graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk)
     # One pass over the batch: mini-batch 0 meets only the sampling params (update 0), so its
     # old log-probs are the first update's own (not recomputed).
-    skip_first = "old_logp_NxL" not in batch and rl.epochs_per_batch == 1
+    batch = _packed(batch)
+    skip_first = "old_logp_SxL" not in batch and rl.epochs_per_batch == 1
     data, tokens_M, seqs_M = _prepare(state.params, batch, skip_first=skip_first, **kw)
 
     def update(carry, j):
@@ -255,15 +285,19 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
         update, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), order)
     metrics = {key: (v[-1] if key == "lr" else jnp.mean(v)) for key, v in metrics.items()}
     metrics["tokens"] = jnp.sum(tokens_M)
+    metrics["batch/padding_share"] = jnp.mean(batch["segments_SxL"] == 0)
     metrics.update(_sage_metrics(batch))
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 
+def _packed(batch: dict) -> dict:
+    return batch if packing.is_packed(batch) else packing.as_packed(batch, jnp)
+
+
 def _sage_metrics(batch: dict) -> dict:
-    """Token shares of hinted / once-collapsed rows, from the batch's per-row SAGE arrays."""
+    """Token shares of hinted / once-collapsed rows, from the packed batch's per-row arrays."""
     out = {}
-    tokens_N = jnp.sum(batch["loss_mask_NxL"].astype(bool) & batch["mask_NxL"].astype(bool),
-                       axis=1).astype(jnp.float32)
+    tokens_N = batch["answer_len_N"]
     total = jnp.maximum(jnp.sum(tokens_N), 1.0)
     if "level_N" in batch:
         hinted = batch["level_N"] > 0

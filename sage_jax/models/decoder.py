@@ -203,9 +203,24 @@ class Decoder(nnx.Module):
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
                                cdtype=cdtype, rngs=rngs))
 
-    def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None, cache: KVCache | None = None):
-        """Final-norm hidden states [B, T, D] (and the updated cache when one is given)."""
+    def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None, segments_BxT=None,
+               cache: KVCache | None = None):
+        """Final-norm hidden states [B, T, D] (and the updated cache when one is given).
+
+        `segments_BxT` (no cache): rows packed end to end, 0 on padding and 1, 2, ... on the
+        packed rows (`engine.packing`); a token attends within its own row only and positions
+        restart at 0 in each row."""
         b, t = tokens_BxT.shape
+        if segments_BxT is not None:
+            if cache is not None or mask_BxT is not None:
+                raise ValueError("segments_BxT replaces mask_BxT and takes no cache")
+            seg = segments_BxT
+            first = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+            start = jax.lax.cummax(jnp.where(first, jnp.arange(t)[None], 0), axis=1)
+            positions_BxT = jnp.arange(t)[None] - start if positions_BxT is None else positions_BxT
+            allowed_BxTxS = ((jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
+                             & (seg[:, :, None] == seg[:, None, :]) & (seg > 0)[:, None, :])
+            return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)
         mask_BxT = jnp.ones((b, t), bool) if mask_BxT is None else mask_BxT.astype(bool)
         if cache is None:
             key_mask_BxS = mask_BxT
@@ -221,6 +236,14 @@ class Decoder(nnx.Module):
                 positions_BxT = jnp.maximum(before + jnp.cumsum(mask_BxT, axis=1) - 1, 0)
         s = key_mask_BxS.shape[1]
         allowed_BxTxS = (jnp.arange(s)[None, :] <= q_slot_T[:, None])[None] & key_mask_BxS[:, None]
+        if cache is None:
+            return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)
+        h, (new_k, new_v) = self._layers(tokens_BxT, positions_BxT, allowed_BxTxS, cache)
+        return h, KVCache(k=tuple(new_k), v=tuple(new_v), mask_BxS=key_mask_BxS,
+                          index=cache.index + t)
+
+    def _layers(self, tokens_BxT, positions_BxT, allowed_BxTxS, cache: KVCache | None = None):
+        """Embedding, blocks and final norm: h [B, T, D] (and the blocks' (k, v) with a cache)."""
         inv_freq = rope_inv_freq(self.cfg)
         x = self.embed_tokens[...][tokens_BxT].astype(self.compute_dtype)
         new_k, new_v = [], []
@@ -231,10 +254,7 @@ class Decoder(nnx.Module):
             new_k.append(k)
             new_v.append(v)
         h = self.norm(x)
-        if cache is None:
-            return h
-        return h, KVCache(k=tuple(new_k), v=tuple(new_v), mask_BxS=key_mask_BxS,
-                          index=cache.index + t)
+        return h if cache is None else (h, (new_k, new_v))
 
     def logits(self, h_BxTxD: jax.Array) -> jax.Array:
         """float32 logits [B, T, V] from final hidden states."""

@@ -227,10 +227,11 @@ def _step(run: _Run, step: int) -> dict:
     batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
                                  adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id)
     with timer("update"):
-        n_rows = len(batch["advantages_N"])
-        mine = parallel.local_rows(n_rows, mesh)  # this process's rows
+        if cfg.rl.padding_free:
+            batch = update.pack_batch(batch, cfg)
+        # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(
-            {k: v[mine] for k, v in batch.items()}, mesh, global_rows=n_rows))
+            {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
     run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
     _check_finite(upd, step, run.last_saved, run.workdir)

@@ -1,0 +1,118 @@
+"""The update's packed batch: each mini-batch's rows packed end to end into fixed-length
+sequences, so that the update's cost follows the real tokens rather than the padding.
+
+A row (prompt then answer, its `mask_NxL` tokens) never straddles two sequences; a sequence
+holds whole rows, each a segment: `segments_SxL` is 0 on padding and 1, 2, ... on the rows in
+order, so attention never crosses rows and positions restart at 0 in each row. Rows are packed
+per mini-batch (first-fit, longest first), so mini-batch membership is that of the padded
+layout (see `update.py`), and the loss denominators, the per-row log-probs and hence the
+gradients are those of the padded batch.
+
+Packed batch (S = M * U' * R sequences of L columns; N rows):
+  tokens_SxL      int32  the rows' tokens, end to end; 0 on padding
+  segments_SxL    int32  0 on padding, else 1 + the row's index within its sequence
+  loss_mask_SxL   bool   answer tokens (as `loss_mask_NxL`)
+  advantages_SxL  f32    the row's advantage on each of its tokens
+  answer_len_SxL  f32    the row's answer-token count on each of its tokens
+  old_logp_SxL, ref_logp_SxL  optional, as the `_NxL` ones
+  advantages_N, level_N, collapse_N, answer_len_N  per row, for the batch metrics
+Sequence s sits at mini-batch j, micro-batch i, slot r with s = r*M*U' + j*U' + i (the stripes
+of `update.py`); U' <= U micro-batches per mini-batch, as many as the fullest one needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PER_ROW = ("advantages_N", "level_N", "collapse_N")
+
+
+def is_packed(batch: dict) -> bool:
+    """Whether `batch` is in the packed form (its per-token arrays are `_SxL`)."""
+    return any(key.endswith("_SxL") for key in batch)
+
+
+def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int) -> dict:
+    """The packed form (above) of a padded numpy batch of the layout in `update.py`, whose
+    mini-batches are `micro_batches` micro-batches of `micro_rows` rows (`update.layout`).
+
+    Each mini-batch gets the same number of sequences U' * R (R = `micro_rows`), enough for the
+    fullest one; sequences keep the batch's L columns."""
+    m, u, r = minibatches, micro_batches, micro_rows
+    mask = np.asarray(batch["mask_NxL"], bool)
+    n, width = mask.shape
+    loss = np.asarray(batch["loss_mask_NxL"], bool) & mask
+    lengths = mask.sum(1)
+    # Row q -> [j, i, s] with q = s*M*U + j*U + i: mini-batch j = (q // U) % M.
+    minibatch_of = (np.arange(n) // u) % m
+    bins = []  # per mini-batch: a list of sequences, each a list of rows
+    for j in range(m):
+        rows = np.flatnonzero(minibatch_of == j)
+        seqs, room = [], []
+        for q in rows[np.argsort(-lengths[rows], kind="stable")]:
+            k = next((k for k, left in enumerate(room) if left >= lengths[q]), None)
+            if k is None:
+                seqs.append([])
+                room.append(width)
+                k = len(seqs) - 1
+            seqs[k].append(int(q))
+            room[k] -= int(lengths[q])
+        bins.append(seqs)
+    most = max(len(seqs) for seqs in bins)
+    u2 = min(-(-most // r), u)  # micro-batches per mini-batch: at most U programs to compile
+    s = m * u2 * r
+    out = {"tokens_SxL": np.zeros((s, width), np.int32),
+           "segments_SxL": np.zeros((s, width), np.int32),
+           "loss_mask_SxL": np.zeros((s, width), bool),
+           "advantages_SxL": np.zeros((s, width), np.float32),
+           "answer_len_SxL": np.zeros((s, width), np.float32)}
+    extra = [k for k in ("old_logp", "ref_logp") if f"{k}_NxL" in batch]
+    for k in extra:
+        out[f"{k}_SxL"] = np.zeros((s, width), np.float32)
+    src = {k: np.asarray(batch[f"{k}_NxL"]) for k in ("tokens", *extra)}
+    adv = np.asarray(batch["advantages_N"], np.float32)
+    answer_len = loss.sum(1)
+    for j, seqs in enumerate(bins):
+        for c, rows in enumerate(seqs):
+            i, slot = c % u2, c // u2  # sequence c of mini-batch j, dealt over micro-batches
+            dst = slot * m * u2 + j * u2 + i
+            at = 0
+            for seg, q in enumerate(rows, start=1):
+                cols = np.flatnonzero(mask[q])
+                span = slice(at, at + len(cols))
+                for k, x in src.items():
+                    out[f"{k}_SxL"][dst, span] = x[q, cols]
+                out["segments_SxL"][dst, span] = seg
+                out["loss_mask_SxL"][dst, span] = loss[q, cols]
+                out["advantages_SxL"][dst, span] = adv[q]
+                out["answer_len_SxL"][dst, span] = answer_len[q]
+                at += len(cols)
+    for k in PER_ROW:
+        if k in batch:
+            out[k] = np.asarray(batch[k])
+    out["answer_len_N"] = answer_len.astype(np.float32)
+    return out
+
+
+def as_packed(batch: dict, xp=np) -> dict:
+    """The packed form of a padded batch with one row per sequence (no packing: S = N), with
+    `xp` = numpy or jax.numpy (inside jit)."""
+    mask = batch["mask_NxL"].astype(bool)
+    loss = batch["loss_mask_NxL"].astype(bool) & mask
+    answer_len = xp.sum(loss, axis=1).astype(xp.float32)
+    ones = xp.ones(mask.shape, xp.float32)
+    out = {"tokens_SxL": batch["tokens_NxL"], "segments_SxL": mask.astype(xp.int32),
+           "loss_mask_SxL": loss,
+           "advantages_SxL": batch["advantages_N"].astype(xp.float32)[:, None] * ones,
+           "answer_len_SxL": answer_len[:, None] * ones, "answer_len_N": answer_len}
+    for k in ("old_logp", "ref_logp"):
+        if f"{k}_NxL" in batch:
+            out[f"{k}_SxL"] = batch[f"{k}_NxL"]
+    out.update({k: batch[k] for k in PER_ROW if k in batch})
+    return out
+
+
+def padding_share(packed: dict) -> float:
+    """The share of the packed batch's token slots that are padding."""
+    seg = np.asarray(packed["segments_SxL"])
+    return float(1.0 - np.count_nonzero(seg) / seg.size)

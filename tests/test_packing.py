@@ -1,0 +1,123 @@
+"""The padding-free update (`engine.packing`): rows packed end to end give the padded batch's
+per-row log-probs, loss, gradients and training step, in every loss aggregation."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from sage_jax import models, parallel
+from sage_jax.config import Config, MeshConfig, OptimConfig, RLConfig, TrainConfig
+from sage_jax.core import grpo
+from sage_jax.engine import packing, update
+
+MODEL = models.ModelConfig(family="llama", vocab_size=40, hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+PROMPT, ANSWER = 6, 14
+
+
+def make_batch(n=16, seed=0):
+    """Left-padded prompts of 2..6 tokens; answers of very different lengths: one row in each
+    mini-batch runs to the cap, the others end early (as real rollouts do)."""
+    rng = np.random.default_rng(seed)
+    col = np.arange(PROMPT + ANSWER)
+    plen = rng.integers(2, PROMPT + 1, n)
+    alen = np.where(np.isin(np.arange(n), (3, 12)), ANSWER, rng.integers(1, 5, n))
+    mask = (col[None] >= PROMPT - plen[:, None]) & (col[None] < PROMPT + alen[:, None])
+    tokens = np.where(mask, rng.integers(1, MODEL.vocab_size, mask.shape), 0).astype(np.int32)
+    rewards = rng.integers(0, 2, (n // 4, 4)).astype(np.float32)
+    return dict(tokens_NxL=tokens, mask_NxL=mask, loss_mask_NxL=mask & (col[None] >= PROMPT),
+                advantages_N=np.asarray(grpo.group_advantages(rewards)).reshape(-1),
+                level_N=np.repeat(rng.integers(0, 2, n // 4), 4).astype(np.int8))
+
+
+def make_cfg(**rl):
+    rl = dict(dict(method="grpo", prompts_per_step=4, group_size=4, max_new_tokens=ANSWER,
+                   minibatches=2, micro_batch_size=2), **rl)
+    return Config(rl=RLConfig(**rl), optim=OptimConfig(lr=1e-2), train=TrainConfig(steps=10))
+
+
+def one_device_mesh():
+    return parallel.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
+    batch, cfg = make_batch(), make_cfg()
+    packed = update.pack_batch(batch, cfg)
+    m, u, r = update.layout(16, cfg.rl)
+    s = len(packed["tokens_SxL"])
+    assert s < 16 and s % (m * r) == 0  # fewer sequences than rows, whole micro-batches
+    assert packing.padding_share(packed) < 1 - batch["mask_NxL"].mean() - 0.2
+    # Every row's tokens appear once, contiguous, in a sequence of its own mini-batch.
+    k = s // (m * r)
+    for q in range(16):
+        row = batch["tokens_NxL"][q][batch["mask_NxL"][q]]
+        hits = []
+        for t in range(s):
+            seg = packed["segments_SxL"][t]
+            for g in range(1, seg.max() + 1):
+                if np.array_equal(packed["tokens_SxL"][t][seg == g], row) and (
+                        packed["advantages_SxL"][t][seg == g] == batch["advantages_N"][q]).all():
+                    hits.append(t)
+        assert hits, q
+        assert {(t // k) % m for t in hits} == {(q // u) % m}  # its padded mini-batch
+
+
+def test_packed_rows_get_the_log_probs_each_row_gets_alone():
+    model = models.Decoder(MODEL, rngs=nnx.Rngs(0))
+    graphdef, params = models.split(model)
+    batch = make_batch()
+    packed = update.pack_batch(batch, make_cfg())
+    alone = np.asarray(grpo.token_logprobs(graphdef, params, batch["tokens_NxL"],
+                                           batch["mask_NxL"], need_NxL=batch["loss_mask_NxL"]))
+    together = np.asarray(grpo.token_logprobs(graphdef, params, packed["tokens_SxL"], None,
+                                              segments_NxL=packed["segments_SxL"],
+                                              need_NxL=packed["loss_mask_SxL"]))
+    want = np.sort(alone[batch["loss_mask_NxL"]])
+    got = np.sort(together[packed["loss_mask_SxL"]])
+    assert want.shape == got.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want).min() > 1e-3  # real log-probs, not zeros
+
+
+@pytest.mark.parametrize("agg", grpo.AGG_MODES)
+def test_packed_update_equals_padded_update(agg):
+    """Loss, gradients and one whole two-update step, old log-probs recomputed or given."""
+    cfg, mesh = make_cfg(loss_agg=agg), one_device_mesh()
+    batch = make_batch(seed=1)
+    packed = update.pack_batch(batch, cfg)
+    assert len(packed["tokens_SxL"]) < 16
+    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, mesh)
+
+    grads = jax.jit(lambda p, b: update.minibatch_grads(p, b, graphdef=graphdef, cfg=cfg,
+                                                        mesh=mesh))
+    (g_pad, m_pad), (g_pack, m_pack) = grads(state.params, batch), grads(state.params, packed)
+    assert max_diff(g_pad, jax.tree.map(np.zeros_like, g_pad)) > 1e-4  # a real gradient
+    assert max_diff(g_pad, g_pack) < 1e-6, agg
+    for key in ("loss", "pg_loss", "entropy", "kl/old_new"):
+        np.testing.assert_allclose(m_pack[key], m_pad[key], rtol=1e-5, atol=1e-7)
+
+    step = update.make_train_step(graphdef, cfg, mesh)
+    params = jax.device_get(state.params)
+    out_pad, met_pad = step(jax.tree.map(np.copy, state), batch)
+    _, state2 = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, mesh)
+    out_pack, met_pack = step(state2, packed)
+    assert max_diff(out_pad.params, params) > 1e-4  # the step moved the params
+    assert max_diff(out_pad.params, out_pack.params) < 1e-5, agg
+    for key in ("loss", "grad_norm", "tokens", "batch/hinted_token_frac", "batch/hinted_abs_adv"):
+        np.testing.assert_allclose(met_pack[key], met_pad[key], rtol=1e-5, atol=1e-7)
+
+
+def test_a_bad_packed_batch_is_named():
+    cfg, mesh = make_cfg(), one_device_mesh()
+    packed = update.pack_batch(make_batch(), cfg)
+    with pytest.raises(ValueError, match="segments_SxL"):
+        update.check_batch({k: v for k, v in packed.items() if k != "segments_SxL"}, cfg, mesh)
+    with pytest.raises(ValueError, match="whole number of mini-batches"):
+        update.check_batch({k: (v[:-1] if k.endswith("_SxL") else v)
+                            for k, v in packed.items()}, cfg, mesh)
