@@ -181,9 +181,11 @@ def kv_cache_bytes(cfg: models.ModelConfig, mesh, *, prompts: int, group_size: i
                 if x < s), default=0)
     grow = cfg.num_layers * rows * group_size * half * kv_row
     # Dropping finished rows builds the state of fewer rows (one per group, its prompt copied)
-    # while the old one lives: at most the largest row bucket below all the rows.
+    # while the old one lives: at most the largest row bucket below all the rows (with the
+    # 1.5x buckets, the larger bound).
     total = b * group_size
-    fewer = max((x for x in map(lambda n: sampling.row_bucket(n, shards), range(1, total))
+    fewer = max((x for x in map(lambda n: sampling.row_bucket(n, shards, fine=True),
+                                range(1, total))
                  if x < total), default=0)
     regroup = cfg.num_layers * _split(fewer, shards) * (p + s) * kv_row
     return cache, max(prompt + logits, scores, grow, regroup)

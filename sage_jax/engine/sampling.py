@@ -24,7 +24,8 @@ How a call runs (the device programs are in `decode`):
    host synchronisation inside; the state is donated and updated in place). A row attends to
    its prompt's keys/values, read once for the G rows that share them, and to its own generated
    ones. Between segments the host reads which rows have finished and, when the running rows
-   fit a smaller row bucket (8, 16, 32, ...: at most half the rows), gathers them into it (one
+   fit a smaller row bucket (8, 16, 32, ...; also 12, 24, 48, ... for models of 20M parameters
+   and more, `fine_row_buckets`), gathers them into it (one
    row per group from then on, the prompt's keys/values copied); the generated-token cache
    starts at `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots
    in use. Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached
@@ -76,7 +77,8 @@ PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 24, 32, 48, 64, 9
 BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
 DECODE_SEGMENT = 16  # decode steps per program call; the host regroups rows in between
 SLOT_BUCKET_MIN = 128  # the generated-token cache holds 128, 256, 512, ... slots (as it fills)
-ROW_BUCKET_MIN = 8  # rows are regrouped into 8, 16, 32, ... (a multiple of the row shards)
+ROW_BUCKET_MIN = 8  # rows are regrouped into 8, (12,) 16, (24,) 32, ... (split over row shards)
+FINE_BUCKETS_MIN_PARAMS = 20_000_000  # the 1.5x row buckets from this model size up
 TRACE_COUNTS = decode.TRACE_COUNTS
 
 
@@ -116,13 +118,23 @@ def batch_bucket(n: int) -> int:
     return max(BATCH_BUCKET_MIN, 1 << max(n - 1, 0).bit_length())
 
 
-def row_bucket(n: int, shards: int = 1) -> int:
-    """Rows a decode segment runs for n live rows: the smallest of m, 2m, 4m, ... that holds
-    them, m = the least multiple of `shards` (the row shards) >= `ROW_BUCKET_MIN`."""
+def row_bucket(n: int, shards: int = 1, *, fine: bool = True) -> int:
+    """Rows a decode segment runs for n live rows: the smallest of m, 1.5m, 2m, 3m, 4m, ...
+    (the 1.5x sizes only when `fine` and when they split over the row shards) that holds them,
+    m = the least multiple of `shards` >= `ROW_BUCKET_MIN`."""
     c = -(-ROW_BUCKET_MIN // shards) * shards
     while c < n:
+        if fine and c * 3 // 2 >= n and (c * 3 // 2) % shards == 0 and c % 2 == 0:
+            return c * 3 // 2
         c *= 2
     return c
+
+
+def fine_row_buckets(params) -> bool:
+    """Whether decoding regroups rows into the 1.5x row buckets too: for models of at least
+    `FINE_BUCKETS_MIN_PARAMS` parameters, whose decode steps cost enough that the extra programs
+    pay for their compiles (a toy model's steps do not: it would mostly compile)."""
+    return sum(x.size for x in jax.tree.leaves(params)) >= FINE_BUCKETS_MIN_PARAMS
 
 
 def gen_slots(max_new_tokens: int) -> int:
@@ -337,9 +349,10 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, 
     lengths = np.array(lengths)
     row_ids = np.arange(r0)  # output row of each state row (-1: a padding row)
     t, row_steps = 1, 0
+    fine = fine_row_buckets(params)
     while t < t_max and not done.all():
         live = np.flatnonzero(~done)
-        rows = row_bucket(live.size, shards)
+        rows = row_bucket(live.size, shards, fine=fine)
         cap = max(state.slots, slot_bucket(t + seg - 1, t_max))
         if rows < state.rows:  # the running rows fit a smaller bucket: gather them
             index = np.concatenate([live, np.full(rows - live.size, live[0])]).astype(np.int32)
