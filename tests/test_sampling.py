@@ -293,6 +293,8 @@ def test_bad_inputs_are_clear_errors():
 def test_buckets():
     assert [sampling.prompt_bucket(n) for n in (1, 16, 17, 25, 64, 65, 141, 1000)] == [
         16, 16, 24, 32, 64, 96, 192, 1024]
+    assert [sampling.prompt_bucket(n, fine=False) for n in (1, 17, 25, 65, 141)] == [
+        16, 32, 32, 128, 256]
     assert [sampling.row_bucket(n) for n in (1, 8, 9, 13, 17, 33, 100)] == [
         8, 8, 12, 16, 24, 48, 128]
     assert [sampling.row_bucket(n, shards=6) for n in (1, 13, 25)] == [12, 18, 36]
@@ -300,8 +302,10 @@ def test_buckets():
     assert [sampling.row_bucket(n, fine=False) for n in (9, 17, 33)] == [16, 32, 64]
     big = {"w": jax.ShapeDtypeStruct((5000, 4000), jnp.float32)}
     assert sampling.fine_row_buckets(big) and not sampling.fine_row_buckets({"w": jnp.ones(9)})
-    assert [sampling.slot_bucket(n, 384) for n in (1, 129, 200, 300)] == [128, 256, 256, 384]
-    assert sampling.slot_bucket(16, 72) == sampling.gen_slots(72) == 72
+    assert [sampling.slot_bucket(n, 384) for n in (1, 33, 129, 200, 300)] == [32, 64, 256, 256,
+                                                                               384]
+    assert sampling.slot_bucket(16, 72) == 32 and sampling.slot_bucket(40, 72) == 64
+    assert sampling.slot_bucket(70, 72) == sampling.gen_slots(72) == 72
     assert [sampling.batch_bucket(n) for n in (1, 8, 9, 128, 129)] == [8, 8, 16, 128, 256]
 
 

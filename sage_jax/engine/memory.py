@@ -166,7 +166,8 @@ def kv_cache_bytes(cfg: models.ModelConfig, mesh, *, prompts: int, group_size: i
     """(cache bytes, largest transient) of `sampling.sample` for `prompts` prompts; see
     `Estimate.kv_cache` and `Estimate.sampler_work`."""
     b = sampling.batch_bucket(prompts)
-    p, s = sampling.prompt_bucket(prompt_len), sampling.gen_slots(max_new_tokens)
+    fine = cfg.num_params() >= sampling.FINE_BUCKETS_MIN_PARAMS  # as `fine_row_buckets`
+    p, s = sampling.prompt_bucket(prompt_len, fine=fine), sampling.gen_slots(max_new_tokens)
     shards = _row_shards(mesh)
     rows, k = _split(b, shards), _split(cfg.num_kv_heads, mesh.shape["tensor"])
     kv_row = 2 * k * cfg.head_dim * _itemsize(dtype)  # k and v of one slot, one layer
@@ -266,10 +267,10 @@ def estimate(model_cfg: models.ModelConfig, *, mesh_shape: dict, rows_per_step: 
     """Per-device bytes of a run (see `Estimate`): `rows_per_step` = prompts * group_size
     answers per step, `micro_batch_rows` rows per gradient-accumulation pass (None = a whole
     mini-batch, rows_per_step / minibatches), prompts of up to `prompt_len` tokens (the
-    sampler and the update round them up to `sampling.prompt_bucket`), answers of
-    `max_new_tokens`; `sample_prompts` prompts per sampling call (None = all the step's
-    prompts at once, as `rollout.run` samples them). `mesh_shape` maps "data", "fsdp",
-    "tensor" to sizes."""
+    sampler rounds them up to `sampling.prompt_bucket`, the update its rows of prompt + answer
+    to a `sampling.length_bucket`), answers of `max_new_tokens`; `sample_prompts` prompts per
+    sampling call (None = all the step's prompts at once, as `rollout.run` samples them).
+    `mesh_shape` maps "data", "fsdp", "tensor" to sizes."""
     mesh = fake_mesh(mesh_shape)
     state = abstract_state(model_cfg, param_dtype=param_dtype, compute_dtype=compute_dtype,
                            master_fp32=master_fp32, optimizer=optimizer)
@@ -282,7 +283,8 @@ def estimate(model_cfg: models.ModelConfig, *, mesh_shape: dict, rows_per_step: 
     terms = activation_terms(
         model_cfg, mesh, rows_per_step=rows_per_step,
         micro_batch_rows=micro_batch_rows or rows_per_step // minibatches,
-        seq_len=sampling.prompt_bucket(prompt_len) + max_new_tokens, compute_dtype=compute_dtype,
+        seq_len=sampling.length_bucket(sampling.prompt_bucket(prompt_len) + max_new_tokens),
+        compute_dtype=compute_dtype,
         state_itemsize=jax.tree.leaves(state.params)[0].dtype.itemsize, remat=remat,
         logprob_chunk=logprob_chunk)
     gathered = 0

@@ -25,8 +25,8 @@ How a call runs (the device programs are in `decode`):
    its prompt's keys/values, read once for the G rows that share them, and to its own generated
    ones. Between segments the host reads which rows have finished and, when the running rows
    fit a smaller row bucket (8, 16, 32, ...; also 12, 24, 48, ... for models of 20M parameters
-   and more, `fine_row_buckets`), gathers them into it (one
-   row per group from then on, the prompt's keys/values copied); the generated-token cache
+   and more, `fine_row_buckets`, which also adds the 1.5x prompt buckets), gathers them into
+   it (one row per group from then on, the prompt's keys/values copied); the generated-token cache
    starts at `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots
    in use. Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached
    per shape: a run compiles one segment program per (prompt bucket, row bucket, cache size)
@@ -76,7 +76,7 @@ from sage_jax.models.decoder import init_cache
 PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 24, 32, 48, 64, 96, 128, ...
 BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
 DECODE_SEGMENT = 16  # decode steps per program call; the host regroups rows in between
-SLOT_BUCKET_MIN = 128  # the generated-token cache holds 128, 256, 512, ... slots (as it fills)
+SLOT_BUCKET_MIN = 32  # the generated-token cache holds 32, 64, 128, ... slots (as it fills)
 ROW_BUCKET_MIN = 8  # rows are regrouped into 8, (12,) 16, (24,) 32, ... (split over row shards)
 FINE_BUCKETS_MIN_PARAMS = 20_000_000  # the 1.5x row buckets from this model size up
 TRACE_COUNTS = decode.TRACE_COUNTS
@@ -104,13 +104,13 @@ def length_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def prompt_bucket(n: int) -> int:
-    """Padded prompt length for prompts of at most n tokens: a power of two or 1.5 times one,
-    at least 16 (the prefill and every decode step's attention cost follow it; each size is a
-    program to compile)."""
+def prompt_bucket(n: int, *, fine: bool = True) -> int:
+    """Padded prompt length for prompts of at most n tokens: a power of two or (when `fine`)
+    1.5 times one, at least 16 (the prefill and every decode step's attention cost follow it;
+    each size is a set of programs to compile)."""
     n = max(int(n), 1)
     c = 1 << max(n - 1, 0).bit_length()  # the power of two >= n
-    return max(PROMPT_BUCKET_MIN, c * 3 // 4 if c * 3 // 4 >= n else c)
+    return max(PROMPT_BUCKET_MIN, c * 3 // 4 if fine and c * 3 // 4 >= n else c)
 
 
 def batch_bucket(n: int) -> int:
@@ -131,7 +131,7 @@ def row_bucket(n: int, shards: int = 1, *, fine: bool = True) -> int:
 
 
 def fine_row_buckets(params) -> bool:
-    """Whether decoding regroups rows into the 1.5x row buckets too: for models of at least
+    """Whether sampling uses the 1.5x row and prompt buckets too: for models of at least
     `FINE_BUCKETS_MIN_PARAMS` parameters, whose decode steps cost enough that the extra programs
     pay for their compiles (a toy model's steps do not: it would mostly compile)."""
     return sum(x.size for x in jax.tree.leaves(params)) >= FINE_BUCKETS_MIN_PARAMS
@@ -288,7 +288,7 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     b, p = prompt_BxP.shape
     if b == 0 or p == 0:
         raise ValueError(f"sample() needs at least one prompt token, got prompts of shape {(b, p)}")
-    bb, pb = batch_bucket(b), prompt_bucket(p)
+    bb, pb = batch_bucket(b), prompt_bucket(p, fine=fine_row_buckets(params))
     st = _Static(num_samples=int(num_samples), max_new_tokens=int(max_new_tokens),
                  temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                  eos_ids=_eos_tuple(eos_ids), pad_id=int(pad_id))

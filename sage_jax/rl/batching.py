@@ -2,7 +2,8 @@
 
 Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), P prompt columns
 (a `sampling.prompt_bucket` size), T answer columns (rl.max_new_tokens), L train-row columns
-(a `sampling.length_bucket` of the longest prompt + answer, at most P + T).
+(a `sampling.length_bucket` of the longest prompt + answer: the same few sizes at every step,
+each one update program).
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
     b, g, t = tokens_BxGxT.shape
     plen_B = np.asarray([len(x) for x in prompts])
     rows_BxG = plen_B[:, None] + lengths_BxG  # each row: its prompt, then its answer, packed
-    width = min(sampling.length_bucket(int(rows_BxG.max())),
-                sampling.prompt_bucket(int(plen_B.max())) + t)
+    width = sampling.length_bucket(int(rows_BxG.max()))
     tokens = np.full((b, g, width), pad_id, np.int32)
     loss_mask = np.zeros((b, g, width), bool)
     for i, p in enumerate(prompts):

@@ -102,7 +102,7 @@ class _Run:
     task: object
     examples: list
     graphdef: object
-    state: object  # TrainState (its SAGE tables are `tables` while the loop runs)
+    state: object  # TrainState without its SAGE tables (`tables` while the loop runs)
     tables: object  # host copies of state.sage, updated in place by the rollout
     ckpt: checkpoint.Checkpointer
     step_fn: object
@@ -189,8 +189,12 @@ def _start(cfg, workdir: Path) -> _Run:
                  if cfg.logging.wandb and is_main else None)
     logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.train.steps, is_main=is_main,
                                        resume_step=start, wandb_run=wandb_run)
+    # The SAGE tables live on the host while the loop runs (the rollout updates them in place)
+    # and join the state only to be saved: the train step never sees them, so its inputs are
+    # the same kind of arrays at every step (host tables at step 1 compiled it twice).
     return _Run(cfg=cfg, workdir=workdir, mesh=mesh, task=task, examples=examples,
-                graphdef=graphdef, state=state, tables=state.sage.host_copy(), ckpt=ckpt,
+                graphdef=graphdef, state=state.replace(sage={}), tables=state.sage.host_copy(),
+                ckpt=ckpt,
                 step_fn=update.make_train_step(graphdef, cfg, mesh), scorer=scorer,
                 logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
                 last_saved=start)
