@@ -78,7 +78,7 @@ BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
 DECODE_SEGMENT = 16  # decode steps per program call; the host regroups rows in between
 SLOT_BUCKET_MIN = 32  # the generated-token cache holds 32, 64, 128, ... slots (as it fills)
 ROW_BUCKET_MIN = 8  # rows are regrouped into 8, (12,) 16, (24,) 32, ... (split over row shards)
-FINE_BUCKETS_MIN_PARAMS = 20_000_000  # the 1.5x row buckets from this model size up
+FINE_BUCKETS_MIN_PARAMS = 20_000_000  # the 1.5x row and prompt buckets from this model size up
 TRACE_COUNTS = decode.TRACE_COUNTS
 
 

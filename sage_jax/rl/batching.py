@@ -58,7 +58,7 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
         raise ValueError(f"loss_context must be 'hinted' or 'plain', got {loss_context!r}")
     prompts = ro.prompts if loss_context == "hinted" else ro.plain_prompts
     tokens_BxGxT, lengths_BxG = ro.samples.tokens, ro.samples.lengths
-    b, g, t = tokens_BxGxT.shape
+    b, g, _ = tokens_BxGxT.shape
     plen_B = np.asarray([len(x) for x in prompts])
     rows_BxG = plen_B[:, None] + lengths_BxG  # each row: its prompt, then its answer, packed
     width = sampling.length_bucket(int(rows_BxG.max()))
