@@ -224,6 +224,8 @@ class TrainConfig(_Section):
     samples_every: int = 10  # Steps between dumps of sample rollouts; 0 = never.
     workdir: str | None = None  # Folder for checkpoints, metrics and samples; None = none.
     resume_step: int | None = None  # Resume from this step (later ones are set aside).
+    # JAX's persistent compilation cache (later runs load compiled programs); null = off.
+    compile_cache: str | None = "~/.cache/sage_jax/xla"
 
     def validate(self) -> None:
         _require(self.steps >= 0, "steps", self.steps, "must be >= 0")

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import toy_study_report as study  # noqa: E402
-from sage_jax import checkpoint, config  # noqa: E402
+from sage_jax import checkpoint, compile_cache, config  # noqa: E402
 from sage_jax.jobs import toy as toy_job  # noqa: E402
 from sage_jax.metrics import GROUPS_FILE, read_metrics  # noqa: E402
 from sage_jax.run import build, loop, restore  # noqa: E402
@@ -186,6 +186,7 @@ def main(argv=None) -> str:
                  f"task.toy.problems={args.problems}", *args.overrides]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    compile_cache.enable(config.load_config(config.DEFAULT_CONFIG, overrides).train.compile_cache)
     seeds = list(range(args.seeds))
     t0 = time.perf_counter()
     start = start_accuracy(seeds, out, overrides)

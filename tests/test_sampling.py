@@ -8,8 +8,9 @@ import torch
 from flax import nnx
 
 from hf_reference import TINY_CONFIGS, make_hf_model
-from sage_jax import models
-from sage_jax.engine import decode, sampling
+from sage_jax import models, parallel
+from sage_jax.config import MeshConfig
+from sage_jax.engine import decode, placement, sampling
 
 
 def _tiny(vocab=97, seed=0, **kw):
@@ -134,6 +135,31 @@ def test_same_key_same_tokens_independent_of_batch_and_bucket():
     assert not np.array_equal(a.tokens[0], a.tokens[1])
     d = sampling.generate(model, base, key=jax.random.PRNGKey(12), prompt_ids=[0, 1, 2], **kw)
     assert not np.array_equal(a.tokens, d.tokens)
+
+
+def test_generate_on_a_mesh_gives_the_same_rows_with_the_trainers_programs():
+    """`generate(mesh=...)` (the toy job's calibration and evaluation) samples what `generate`
+    does, and runs the programs of `sample` on trainer-placed parameters (no new executable)."""
+    model = _tiny(seed=2)
+    base = _prompts(97, [4, 9, 6], seed=3)
+    kw = dict(max_new_tokens=12, num_samples=3, temperature=1.0, eos_token_id=5,
+              key=jax.random.PRNGKey(11), prompt_ids=[0, 1, 2])
+    mesh = parallel.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    a = sampling.generate(model, base, **kw)
+    b = sampling.generate(model, base, mesh=mesh, **kw)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.logprobs, a.logprobs)
+    graphdef, params = nnx.split(model)
+    params = jax.device_put(params, parallel.tree_shardings(params, mesh))  # as the trainer
+    lay = placement.layout(mesh, model.cfg.num_kv_heads, sampling.batch_bucket(3))
+    prefill = sampling._jitted("prefill", graphdef, None, lay)
+    size = prefill._cache_size()
+    tok, mask = sampling.left_pad(base, sampling.prompt_bucket(9), 0)
+    c = sampling.sample(graphdef, params, tok, mask, key=kw["key"], num_samples=3,
+                        max_new_tokens=12, temperature=1.0, eos_ids=(5,),
+                        prompt_ids_B=np.arange(3, dtype=np.int32), mesh=mesh)
+    assert prefill._cache_size() == size > 0
+    np.testing.assert_array_equal(np.asarray(c.tokens).reshape(9, -1), a.tokens)
 
 
 # ---- EOS and padding ----------------------------------------------------------------------------
@@ -300,8 +326,8 @@ def test_buckets():
     assert [sampling.row_bucket(n, shards=6) for n in (1, 13, 25)] == [12, 18, 36]
     assert [sampling.row_bucket(n, shards=8) for n in (9, 17, 25)] == [16, 24, 32]
     assert [sampling.row_bucket(n, fine=False) for n in (9, 17, 33)] == [16, 32, 64]
-    big = {"w": jax.ShapeDtypeStruct((5000, 4000), jnp.float32)}
-    assert sampling.fine_row_buckets(big) and not sampling.fine_row_buckets({"w": jnp.ones(9)})
+    assert sampling.fine_buckets(sampling.FINE_BUCKETS_MIN_PARAMS)
+    assert not sampling.fine_buckets(sampling.FINE_BUCKETS_MIN_PARAMS - 1)
     assert [sampling.slot_bucket(n, 384) for n in (1, 33, 129, 200, 300)] == [32, 64, 256, 256,
                                                                                384]
     assert sampling.slot_bucket(16, 72) == 32 and sampling.slot_bucket(40, 72) == 64

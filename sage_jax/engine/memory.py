@@ -166,7 +166,7 @@ def kv_cache_bytes(cfg: models.ModelConfig, mesh, *, prompts: int, group_size: i
     """(cache bytes, largest transient) of `sampling.sample` for `prompts` prompts; see
     `Estimate.kv_cache` and `Estimate.sampler_work`."""
     b = sampling.batch_bucket(prompts)
-    fine = cfg.num_params() >= sampling.FINE_BUCKETS_MIN_PARAMS  # as `fine_row_buckets`
+    fine = sampling.fine_buckets(cfg.num_params())
     p, s = sampling.prompt_bucket(prompt_len, fine=fine), sampling.gen_slots(max_new_tokens)
     shards = _row_shards(mesh)
     rows, k = _split(b, shards), _split(cfg.num_kv_heads, mesh.shape["tensor"])

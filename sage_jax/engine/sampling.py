@@ -25,7 +25,7 @@ How a call runs (the device programs are in `decode`):
    its prompt's keys/values, read once for the G rows that share them, and to its own generated
    ones. Between segments the host reads which rows have finished and, when the running rows
    fit a smaller row bucket (8, 16, 32, ...; also 12, 24, 48, ... for models of 20M parameters
-   and more, `fine_row_buckets`, which also adds the 1.5x prompt buckets), gathers them into
+   and more, `fine_buckets`, which also adds the 1.5x prompt buckets), gathers them into
    it (one row per group from then on, the prompt's keys/values copied); the generated-token cache
    starts at `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots
    in use. Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached
@@ -130,11 +130,11 @@ def row_bucket(n: int, shards: int = 1, *, fine: bool = True) -> int:
     return c
 
 
-def fine_row_buckets(params) -> bool:
+def fine_buckets(num_params: int) -> bool:
     """Whether sampling uses the 1.5x row and prompt buckets too: for models of at least
     `FINE_BUCKETS_MIN_PARAMS` parameters, whose decode steps cost enough that the extra programs
     pay for their compiles (a toy model's steps do not: it would mostly compile)."""
-    return sum(x.size for x in jax.tree.leaves(params)) >= FINE_BUCKETS_MIN_PARAMS
+    return num_params >= FINE_BUCKETS_MIN_PARAMS
 
 
 def gen_slots(max_new_tokens: int) -> int:
@@ -288,7 +288,8 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     b, p = prompt_BxP.shape
     if b == 0 or p == 0:
         raise ValueError(f"sample() needs at least one prompt token, got prompts of shape {(b, p)}")
-    bb, pb = batch_bucket(b), prompt_bucket(p, fine=fine_row_buckets(params))
+    fine = fine_buckets(sum(x.size for x in jax.tree.leaves(params)))
+    bb, pb = batch_bucket(b), prompt_bucket(p, fine=fine)
     st = _Static(num_samples=int(num_samples), max_new_tokens=int(max_new_tokens),
                  temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                  eos_ids=_eos_tuple(eos_ids), pad_id=int(pad_id))
@@ -327,17 +328,18 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     state, tok0, logp0 = _jitted("start", None, st, lay, cap)(prompt_cache, logits, key, ids,
                                                                valid)
     del prompt_cache
-    out = _decode_segments(graphdef, params, st, mesh, lay, seg, state, tok0, logp0)
+    out = _decode_segments(graphdef, params, st, mesh, lay, seg, state, tok0, logp0, fine)
     if bb != b:
         out = jax.tree.map(lambda x: x[:b], out)
     return out
 
 
 def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, tok0_R,
-                     logp0_R):
+                     logp0_R, fine: bool):
     """Runs decode segments until every row has finished or T tokens; between segments drops
     finished rows into a smaller row bucket and grows the generated-token cache. `lay`: the
-    placement of `state` (from `start`); `seg`: steps per segment. Returns the SampleOutput
+    placement of `state` (from `start`); `seg`: steps per segment; `fine`: the 1.5x row buckets
+    too (`fine_buckets`). Returns the SampleOutput
     ([B, G, T] host arrays)."""
     t_max, g = st.max_new_tokens, st.num_samples
     r0 = state.rows
@@ -349,7 +351,6 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, 
     lengths = np.array(lengths)
     row_ids = np.arange(r0)  # output row of each state row (-1: a padding row)
     t, row_steps = 1, 0
-    fine = fine_row_buckets(params)
     while t < t_max and not done.all():
         live = np.flatnonzero(~done)
         rows = row_bucket(live.size, shards, fine=fine)
@@ -380,13 +381,16 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              eos_token_id: int | Sequence[int] | None = None, key=None, num_samples: int = 1,
-             prompt_ids: Sequence[int] | None = None, pad_id: int = 0) -> SampleOutput:
+             prompt_ids: Sequence[int] | None = None, pad_id: int = 0,
+             mesh=None) -> SampleOutput:
     """Samples continuations of token-id prompts of varying lengths with a `Decoder`.
 
     `eos_token_id`: an id or a list of ids; None uses the model config's EOS ids (pass () for
     none). `key` defaults to PRNGKey(0); `prompt_ids` (default 0..N-1) identify the prompts for
-    the PRNG. Returns numpy arrays, one row per sample, prompt-major: tokens int32 [N*G, T],
-    lengths int32 [N*G], logprobs float32 [N*G, T] (G = num_samples).
+    the PRNG. `mesh`: sample on it, the parameters placed by the partition rules as the trainer
+    places them (so a trainer's sampling programs on that mesh are the same ones). Returns
+    numpy arrays, one row per sample, prompt-major: tokens int32 [N*G, T], lengths int32 [N*G],
+    logprobs float32 [N*G, T] (G = num_samples).
     """
     if not len(prompts):
         raise ValueError("generate() needs at least one prompt")
@@ -398,11 +402,13 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 2
     eos = model.cfg.eos_ids if eos_token_id is None else eos_token_id
     key = jax.random.PRNGKey(0) if key is None else key
     graphdef, params = nnx.split(model)
+    if mesh is not None:
+        params = jax.device_put(params, parallel.tree_shardings(params, mesh))
     ids = None if prompt_ids is None else np.asarray(prompt_ids, np.int32)
     out = jax.device_get(sample(
         graphdef, params, tok, mask, key=key, num_samples=num_samples,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        eos_ids=eos, prompt_ids_B=ids, pad_id=pad_id))
+        eos_ids=eos, prompt_ids_B=ids, pad_id=pad_id, mesh=mesh))
     rows = n * num_samples
     return SampleOutput(tokens=np.asarray(out.tokens).reshape(rows, -1),
                         lengths=np.asarray(out.lengths).reshape(rows),

@@ -3,6 +3,7 @@ the task's default job where it has one (`JOBS`), else the plain training run.""
 
 from __future__ import annotations
 
+from sage_jax import compile_cache
 from sage_jax.jobs import toy
 from sage_jax.run import loop
 
@@ -10,5 +11,7 @@ JOBS = {"toy": toy.run}  # task.name -> its default job (which falls back to loo
 
 
 def run(cfg, workdir) -> dict:
-    """The training job of `cfg` in `workdir`; returns the last step's metrics."""
+    """The training job of `cfg` in `workdir` (JAX's compilation cache in
+    `train.compile_cache`); returns the last step's metrics."""
+    compile_cache.enable(cfg.train.compile_cache)
     return JOBS.get(cfg.task.name, loop.train)(cfg, workdir)

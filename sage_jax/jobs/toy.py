@@ -9,6 +9,7 @@ job is a one-machine testbed); any other run is the plain training run.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -16,7 +17,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from sage_jax import config as config_lib, distributed, metrics as metrics_lib, report, wandb_log
+from sage_jax import (config as config_lib, distributed, metrics as metrics_lib, parallel, report,
+                      wandb_log)
+from sage_jax.engine import sampling
 from sage_jax.run import build, loop, restore
 from sage_jax.tasks.toy import calibrate, task as toy
 from sage_jax.tasks.toy.warm_start import spec
@@ -46,6 +49,12 @@ def is_default_toy_run(cfg) -> bool:
     return cfg.task.name == "toy" and not cfg.model.path
 
 
+def mesh_generate(cfg):
+    """`sampling.generate` on the run's mesh (`mesh.*`), parameters placed as the trainer places
+    them: the calibration and evaluation then run the sampling programs RL compiles anyway."""
+    return functools.partial(sampling.generate, mesh=parallel.make_mesh(cfg.mesh))
+
+
 def before_rl(cfg, workdir: str | Path, model) -> dict | None:
     """The calibration gate on a fresh run (printed, and saved as calibration.json)."""
     if not (is_default_toy_run(cfg) and cfg.task.toy.calibrate):
@@ -56,7 +65,7 @@ def before_rl(cfg, workdir: str | Path, model) -> dict | None:
                                   problems_per_length=cfg.task.toy.calibrate_per_length,
                                   group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
                                   seed=cfg.train.seed, method=cfg.rl.method,
-                                  hint_source=cfg.hint.source)
+                                  hint_source=cfg.hint.source, generate=mesh_generate(cfg))
     print(calibrate.format_calibration(cal), flush=True)
     if not cal["gate"]["passed"]:
         print("calibration gate: NOT passed (see above); continuing with RL anyway", flush=True)
@@ -92,7 +101,7 @@ def accuracy_by_length(model, cfg, *, seed: int = 0) -> dict[int, float]:
     problems = toy.make_problems(t.eval_per_length, spec(cfg), seed=EVAL_SEED, per_length=True)
     rewards, _ = calibrate.sample_rewards(
         model, problems, group_size=t.eval_samples, temperature=cfg.rl.temperature,
-        key=jax.random.PRNGKey(77 + seed))
+        key=jax.random.PRNGKey(77 + seed), generate=mesh_generate(cfg))
     ks = np.asarray([p.k for p in problems])
     return {int(k): float(rewards[ks == k].mean()) for k in sorted(set(ks.tolist()))}
 
