@@ -133,6 +133,11 @@ class RLConfig(_Section):
     reward: str | None = None  # A registered reward name instead of the task's; None = task's.
     reward_timeout_s: float = 5.0  # Verifier time limit per answer; a timeout scores 0.
     loss_context: Literal["hinted", "plain"] = "hinted"  # Prompt hinted groups are trained on.
+    # pi_old of the ratio: recomputed by the trainer before the update, or the sampler's own
+    # log-probs (the same parameters, so equal up to float rounding; one forward pass less).
+    # With loss_context=plain the trainer recomputes them anyway: hinted answers were sampled
+    # in another context.
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
 
     def validate(self) -> None:
         _require(self.group_size >= 2, "group_size", self.group_size,

@@ -12,6 +12,7 @@ from flax import nnx
 from sage_jax.run import loop
 from sage_jax.rl import batching, rollout
 from sage_jax import config, models, parallel
+from sage_jax.core import grpo
 from sage_jax.engine import sampling, update
 from sage_jax.tasks import toy
 from sage_jax.tasks.data import Example
@@ -128,3 +129,41 @@ def test_training_step_on_a_mesh_equals_one_device(shape, reference, capsys):
     for k, v in ref["update"].items():
         np.testing.assert_allclose(got["update"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
     assert d_params < 1e-5
+
+
+def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
+    """rl.old_logprobs=sampler: the rollout's own log-probs, placed on the batch's answer
+    columns, are the trainer's recomputed old log-probs (float rounding apart), and the step
+    they give equals the recomputing one (hinted groups included)."""
+    mesh = parallel.make_mesh(config.MeshConfig(1, 1, 1), jax.devices()[:1])
+    task = toy.ToyTask()
+
+    def fresh():
+        return update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)), CFG, mesh)
+
+    graphdef, state = fresh()
+    idx = np.arange(PROMPTS)
+    sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
+                                     eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh)
+    ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
+                     scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
+                     tables=rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes),
+                     step=0)
+    assert ro.level.max() > 0  # some groups were re-sampled with a hint
+    given = batching.train_batch(ro, pad_id=task.pad_id, sampler_logprobs=True)
+    plain = {k: v for k, v in given.items() if k != "old_logp_NxL"}
+    assert plain.keys() == batching.train_batch(ro, pad_id=task.pad_id).keys()
+    loss = given["loss_mask_NxL"]
+    recomputed = np.asarray(grpo.token_logprobs(graphdef, state.params, given["tokens_NxL"],
+                                                given["mask_NxL"], need_NxL=loss))
+    np.testing.assert_allclose(given["old_logp_NxL"][loss], recomputed[loss], atol=2e-5)
+    assert np.all(given["old_logp_NxL"][~loss] == 0) and np.all(recomputed[loss] < 0)
+    step = update.make_train_step(graphdef, CFG, mesh)
+    got = [step(s, parallel.shard_batch(b, mesh)) for s, b in ((state, given),
+                                                               (fresh()[1], plain))]
+    (s_given, m_given), (s_plain, m_plain) = jax.device_get(got)
+    for k, v in m_plain.items():
+        np.testing.assert_allclose(m_given[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+    assert max_diff(s_given.params, s_plain.params) < 1e-5
+    with pytest.raises(ValueError, match="plain"):
+        batching.train_batch(ro, loss_context="plain", sampler_logprobs=True)

@@ -325,7 +325,8 @@ def test_buckets():
         8, 8, 12, 16, 24, 48, 128]
     assert [sampling.row_bucket(n, shards=6) for n in (1, 13, 25)] == [12, 18, 36]
     assert [sampling.row_bucket(n, shards=8) for n in (9, 17, 25)] == [16, 24, 32]
-    assert [sampling.row_bucket(n, fine=False) for n in (9, 17, 33)] == [16, 32, 64]
+    assert [sampling.row_bucket(n, fine=False) for n in (1, 9, 17, 33)] == [32, 32, 32, 64]
+    assert [sampling.row_bucket(n, shards=6, fine=False) for n in (1, 37)] == [36, 72]
     assert sampling.fine_buckets(sampling.FINE_BUCKETS_MIN_PARAMS)
     assert not sampling.fine_buckets(sampling.FINE_BUCKETS_MIN_PARAMS - 1)
     assert [sampling.slot_bucket(n, 384) for n in (1, 33, 129, 200, 300)] == [32, 64, 256, 256,

@@ -24,8 +24,8 @@ How a call runs (the device programs are in `decode`):
    host synchronisation inside; the state is donated and updated in place). A row attends to
    its prompt's keys/values, read once for the G rows that share them, and to its own generated
    ones. Between segments the host reads which rows have finished and, when the running rows
-   fit a smaller row bucket (8, 16, 32, ...; also 12, 24, 48, ... for models of 20M parameters
-   and more, `fine_buckets`, which also adds the 1.5x prompt buckets), gathers them into
+   fit a smaller row bucket (32, 64, ...; for models of 20M parameters and more, `fine_buckets`,
+   8, 12, 16, 24, 32, 48, ..., and the 1.5x prompt buckets too), gathers them into
    it (one row per group from then on, the prompt's keys/values copied); the generated-token cache
    starts at `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots
    in use. Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached
@@ -78,6 +78,9 @@ BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
 DECODE_SEGMENT = 16  # decode steps per program call; the host regroups rows in between
 SLOT_BUCKET_MIN = 32  # the generated-token cache holds 32, 64, 128, ... slots (as it fills)
 ROW_BUCKET_MIN = 8  # rows are regrouped into 8, (12,) 16, (24,) 32, ... (split over row shards)
+# Models under FINE_BUCKETS_MIN_PARAMS regroup into 32, 64, ... rows only: below 32 rows their
+# decode step costs about the same, so a smaller bucket would mostly add programs to compile.
+COARSE_ROW_BUCKET_MIN = 32
 FINE_BUCKETS_MIN_PARAMS = 20_000_000  # the 1.5x row and prompt buckets from this model size up
 TRACE_COUNTS = decode.TRACE_COUNTS
 
@@ -121,8 +124,10 @@ def batch_bucket(n: int) -> int:
 def row_bucket(n: int, shards: int = 1, *, fine: bool = True) -> int:
     """Rows a decode segment runs for n live rows: the smallest of m, 1.5m, 2m, 3m, 4m, ...
     (the 1.5x sizes only when `fine` and when they split over the row shards) that holds them,
-    m = the least multiple of `shards` >= `ROW_BUCKET_MIN`."""
-    c = -(-ROW_BUCKET_MIN // shards) * shards
+    m = the least multiple of `shards` >= `ROW_BUCKET_MIN` (`COARSE_ROW_BUCKET_MIN` when not
+    `fine`)."""
+    least = ROW_BUCKET_MIN if fine else COARSE_ROW_BUCKET_MIN
+    c = -(-least // shards) * shards
     while c < n:
         if fine and c * 3 // 2 >= n and (c * 3 // 2) % shards == 0 and c % 2 == 0:
             return c * 3 // 2

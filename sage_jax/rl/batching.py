@@ -46,16 +46,21 @@ class PolicySampler:
 
 
 def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "group",
-                pad_id: int = 0) -> dict[str, np.ndarray]:
+                pad_id: int = 0, sampler_logprobs: bool = False) -> dict[str, np.ndarray]:
     """The update's batch (see `update.py`) from a rollout, rows prompt-major, each row its
     prompt then its answer from column 0, right-padded to L (positions count valid tokens, so
     this equals a left-padded prompt; it only drops the padding between prompt and answer).
 
     `loss_context`: "hinted" trains on log pi(answer | prompt + hint) for hinted groups (the
     published setting); "plain" on log pi(answer | bare prompt) (the off-policy ablation).
+    `sampler_logprobs`: the sampler's log-probs of the answers become the batch's old log-probs
+    (`rl.old_logprobs=sampler`; only in the context they were sampled in, "hinted").
     """
     if loss_context not in ("hinted", "plain"):
         raise ValueError(f"loss_context must be 'hinted' or 'plain', got {loss_context!r}")
+    if sampler_logprobs and loss_context != "hinted":
+        raise ValueError("the sampler's log-probs are of the hinted context: they cannot be the "
+                         "old log-probs of loss_context='plain'")
     prompts = ro.prompts if loss_context == "hinted" else ro.plain_prompts
     tokens_BxGxT, lengths_BxG = ro.samples.tokens, ro.samples.lengths
     b, g, _ = tokens_BxGxT.shape
@@ -64,17 +69,22 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
     width = sampling.length_bucket(int(rows_BxG.max()))
     tokens = np.full((b, g, width), pad_id, np.int32)
     loss_mask = np.zeros((b, g, width), bool)
+    old_logp = np.zeros((b, g, width), np.float32)
     for i, p in enumerate(prompts):
         tokens[i, :, :len(p)] = p
         for j in range(g):
             n = int(lengths_BxG[i, j])
             tokens[i, j, len(p):len(p) + n] = tokens_BxGxT[i, j, :n]
             loss_mask[i, j, len(p):len(p) + n] = True
+            old_logp[i, j, len(p):len(p) + n] = ro.samples.logprobs[i, j, :n]
     mask = np.arange(width)[None, None, :] < rows_BxG[:, :, None]
     adv = np.asarray(grpo.group_advantages(ro.rewards, scale=adv_scale), np.float32)
-    return {"tokens_NxL": tokens.reshape(b * g, width),
-            "mask_NxL": mask.reshape(b * g, width),
-            "loss_mask_NxL": loss_mask.reshape(b * g, width),
-            "advantages_N": adv.reshape(b * g),
-            "level_N": np.repeat(ro.level, g).astype(np.int8),
-            "collapse_N": np.repeat(ro.collapse, g).astype(np.int8)}
+    batch = {"tokens_NxL": tokens.reshape(b * g, width),
+             "mask_NxL": mask.reshape(b * g, width),
+             "loss_mask_NxL": loss_mask.reshape(b * g, width),
+             "advantages_N": adv.reshape(b * g),
+             "level_N": np.repeat(ro.level, g).astype(np.int8),
+             "collapse_N": np.repeat(ro.collapse, g).astype(np.int8)}
+    if sampler_logprobs:
+        batch["old_logp_NxL"] = old_logp.reshape(b * g, width)
+    return batch

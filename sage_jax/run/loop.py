@@ -229,7 +229,9 @@ def _step(run: _Run, step: int) -> dict:
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)
     batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
-                                 adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id)
+                                 adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
+                                 sampler_logprobs=cfg.rl.old_logprobs == "sampler"
+                                 and cfg.rl.loss_context == "hinted")
     with timer("update"):
         if cfg.rl.padding_free:
             batch = update.pack_batch(batch, cfg)
