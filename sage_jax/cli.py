@@ -1,5 +1,6 @@
-"""The one error epilogue of the entry commands: a user's mistake is one line on stderr and exit
-status 2, not a traceback (set SAGE_JAX_DEBUG=1 to get the traceback)."""
+"""The frame of the entry commands: host malloc tuned first (`host_memory.tune_malloc`), and one
+error epilogue: a user's mistake is one line on stderr and exit status 2, not a traceback (set
+SAGE_JAX_DEBUG=1 to get the traceback)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import os
 import sys
 from typing import Callable, TypeVar
 
+from sage_jax import host_memory
+
 T = TypeVar("T")
 
 
 def run_command(fn: Callable[[], T], errors: tuple[type[BaseException], ...]) -> T:
-    """`fn()`; an exception of `errors` prints `error: <message>` and exits with status 2."""
+    """`fn()` (after `host_memory.tune_malloc`); an exception of `errors` prints
+    `error: <message>` and exits with status 2."""
+    host_memory.tune_malloc()
     try:
         return fn()
     except errors as e:

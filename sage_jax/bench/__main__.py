@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from sage_jax import host_memory
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m sage_jax.bench", description=__doc__)
@@ -13,6 +15,7 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="print one JSON line (the peers' schema)")
     p.add_argument("--peers-dir", default=None, help="folder of the peer scripts (_common.py)")
     args = p.parse_args(argv)
+    host_memory.tune_malloc()  # as every entry command (`cli.run_command`)
     importlib.import_module(f"sage_jax.bench.{args.what}").run(args)
 
 
