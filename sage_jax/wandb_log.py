@@ -9,7 +9,9 @@ the main process logs. `wandb` is an optional dependency (`pip install wandb`).
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,6 +39,7 @@ class WandbRun:
         id_file = workdir / ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
+        _wait_for_a_new_offline_folder(workdir, run_id)
         self.run = wandb.init(
             project=settings.project, entity=settings.entity,
             name=settings.name or workdir.name, tags=list(settings.tags) or None,
@@ -65,3 +68,18 @@ class WandbRun:
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def _wait_for_a_new_offline_folder(workdir: Path, run_id: str) -> None:
+    """W&B names an offline run's folder by its start second and id: the same run started again
+    within that second (a short resumed job, then its summary) would write over the first
+    folder's file and lose its history, so this waits for the next second."""
+    def taken() -> bool:
+        names = {f"offline-run-{t.strftime('%Y%m%d_%H%M%S')}-{run_id}"
+                 for t in (datetime.datetime.now(), datetime.datetime.now(datetime.timezone.utc))}
+        return any((workdir / "wandb" / n).exists() for n in names)
+
+    for _ in range(40):  # at most 2 s
+        if not taken():
+            return
+        time.sleep(0.05)
