@@ -69,14 +69,15 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
     width = sampling.length_bucket(int(rows_BxG.max()))
     tokens = np.full((b, g, width), pad_id, np.int32)
     loss_mask = np.zeros((b, g, width), bool)
-    old_logp = np.zeros((b, g, width), np.float32)
+    old_logp = np.zeros((b, g, width) if sampler_logprobs else (b, g, 0), np.float32)
     for i, p in enumerate(prompts):
         tokens[i, :, :len(p)] = p
         for j in range(g):
             n = int(lengths_BxG[i, j])
             tokens[i, j, len(p):len(p) + n] = tokens_BxGxT[i, j, :n]
             loss_mask[i, j, len(p):len(p) + n] = True
-            old_logp[i, j, len(p):len(p) + n] = ro.samples.logprobs[i, j, :n]
+            if sampler_logprobs:
+                old_logp[i, j, len(p):len(p) + n] = ro.samples.logprobs[i, j, :n]
     mask = np.arange(width)[None, None, :] < rows_BxG[:, :, None]
     adv = np.asarray(grpo.group_advantages(ro.rewards, scale=adv_scale), np.float32)
     batch = {"tokens_NxL": tokens.reshape(b * g, width),
