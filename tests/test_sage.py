@@ -185,6 +185,9 @@ def test_prompts_without_solution_or_unparseable_hints_keep_their_group():
     retries = [ids for salt, ids, texts in policy.calls if texts[0].startswith("R:")]
     assert retries == [[0, 2], [2], [2]]  # first try, then 2 retries of the failure
     assert out.rewards[1].max() == 0 and out.rewards[2].max() == 0
+    # What the policy wrote is kept for the sample log, parsed or not; none where not asked.
+    assert json.loads(out.hint_written[0])["level1"] == "L1"
+    assert out.hint_written[1] is None and out.hint_written[2] == "not json at all"
 
 
 def test_resample_control_has_the_same_budget_without_hints():

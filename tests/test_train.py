@@ -52,7 +52,8 @@ def test_each_method_runs_and_writes_metrics(tmp_path, method):
     saved = config.load_config(tmp_path / "config.yaml", [])
     assert saved.rl.method == method
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert samples and {"problem", "responses", "rewards", "hint", "level"} <= set(samples[0])
+    assert samples and {"problem", "responses", "rewards", "hint", "level", "hint_written"} <= set(
+        samples[0])
 
 
 def _params(workdir):

@@ -44,6 +44,7 @@ class HintSource:
         self.task, self.sampler, self.tables, self.step = task, sampler, tables, step
         self.source = "online" if hint.source == "auto" else hint.source  # auto: the toy job
         self.payloads: dict[int, dict[int, str]] = {}
+        self.written_text: dict[int, str] = {}  # row -> what the policy wrote this step
         self.write_failed = self.too_long = 0
         self.seconds = 0.0
 
@@ -78,8 +79,9 @@ class HintSource:
             self.source == "offline" or every == 0 or self.step - self.tables.hint_step[d] < every)
 
     def _write(self, rows: list[int]) -> None:
-        written, counts = write_hints(rows, self.examples, self.task, self.sampler, self.hint,
-                                      dataset_ids=self.ids)
+        written, counts, texts = write_hints(rows, self.examples, self.task, self.sampler,
+                                             self.hint, dataset_ids=self.ids)
+        self.written_text.update(texts)
         self.write_failed += counts["failed"]
         self.too_long += counts["too_long"]
         for i in rows:
@@ -100,14 +102,15 @@ def _hint_payload_from_column(text: str | None) -> dict[int, str]:
 
 def write_hints(indices: Sequence[int], examples: Sequence[Example], task: Task,
                 sampler: GroupSampler, hint, *, dataset_ids: np.ndarray
-                ) -> tuple[dict[int, dict[int, str]], dict[str, int]]:
+                ) -> tuple[dict[int, dict[int, str]], dict[str, int], dict[int, str]]:
     """The policy writes a hint payload for each row in `indices` (batched, with `hint.retries`
     retries, at `hint.temperature`).
 
-    Returns {row: {level: hint}} for rows whose payload parsed, and counts of rows whose request
-    was too long or whose output never parsed.
+    Returns {row: {level: hint}} for rows whose payload parsed, counts of rows whose request
+    was too long or whose output never parsed, and {row: the text of its last attempt}.
     """
     out: dict[int, dict[int, str]] = {}
+    texts: dict[int, str] = {}
     todo, too_long = [], 0
     requests = {}
     for i in indices:
@@ -126,14 +129,14 @@ def write_hints(indices: Sequence[int], examples: Sequence[Example], task: Task,
                       temperature=hint.temperature, top_p=1.0, top_k=0)
         failed = []
         for j, i in enumerate(todo):
-            text = task.decode(got.tokens[j, 0, :got.lengths[j, 0]])
+            text = texts[i] = task.decode(got.tokens[j, 0, :got.lengths[j, 0]])
             hints = sage.parse_hints(text, ground_truth=examples[i].answer)
             if hints:
                 out[i] = hints
             else:
                 failed.append(i)
         todo = failed
-    return out, {"too_long": too_long, "failed": len(todo)}
+    return out, {"too_long": too_long, "failed": len(todo)}, texts
 
 
 # ---- the groups of one step ------------------------------------------------------------------
@@ -308,7 +311,8 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
     _record(g, source, after, tables)
     return Rollout(prompts=g.prompts, plain_prompts=g.plain, samples=g.samples,
                    rewards=g.rewards, level=g.level, collapse=g.collapse, round=g.rnd,
-                   hints=g.hints, texts=g.texts, metrics=g.metrics)
+                   hints=g.hints, texts=g.texts, metrics=g.metrics,
+                   hint_written=[source.written_text.get(i) for i in range(len(examples))])
 
 
 def _record(g: _Step, source: HintSource, after: dict, tables: SageTables) -> None:

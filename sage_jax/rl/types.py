@@ -81,3 +81,6 @@ class Rollout:
     hints: list[str | None]
     texts: list[list[str]]  # decoded answers [B][G]
     metrics: dict[str, float]
+    # What the policy wrote when asked for a hint payload this step (online/offline sources;
+    # None where it was not asked), whether or not it parsed.
+    hint_written: list[str | None] = dataclasses.field(default_factory=list)

@@ -63,6 +63,7 @@ def sample_records(ro: Rollout, examples, task, limit: int = 4) -> list[dict]:
     for b in range(min(limit, len(examples))):
         out.append({"problem": examples[b].problem, "answer": examples[b].answer,
                     "level": int(ro.level[b]), "hint": ro.hints[b],
+                    "hint_written": ro.hint_written[b] if ro.hint_written else None,
                     "prompt": task.decode(ro.prompts[b]),
                     "responses": ro.texts[b], "rewards": ro.rewards[b].tolist()})
     return out
