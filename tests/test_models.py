@@ -52,6 +52,30 @@ def test_left_padded_parity(hf_pair):
     assert np.abs(alone[0] - got[1, 5:]).max() < 1e-5
 
 
+def test_long_rows_attend_in_causal_blocks_with_the_same_logits(hf_pair, monkeypatch):
+    """Rows in several query blocks of causal attention (`causal_blocks`, here of at least 32
+    queries), left padded, equal transformers' logits, and the prompt keys/values the sampler's
+    prefill takes equal the ones a cache-filling forward stores."""
+    _, hf, _, ours = hf_pair
+    monkeypatch.setattr(models.decoder, "ATTN_BLOCK_MIN", 32)
+    t = 200
+    blocks = models.decoder.causal_blocks(t)
+    assert len(blocks) > 4 and blocks[0][0] == 0 and blocks[-1][1] == t
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    tok = _tokens(hf.config.vocab_size, (2, t), seed=4)
+    mask = np.ones_like(tok)
+    mask[1, :77] = 0
+    ref = hf_logits(hf, tok, mask)
+    got = np.asarray(ours(jnp.asarray(tok), mask_BxT=jnp.asarray(mask, bool)))
+    assert np.abs(ref - got)[mask.astype(bool)].max() < TOL
+    _, ks, vs = ours.prompt_kv(jnp.asarray(tok), jnp.asarray(mask, bool))
+    cache = models.decoder.init_cache(ours.cfg, 2, t, jnp.float32)
+    _, cache = ours(jnp.asarray(tok), mask_BxT=jnp.asarray(mask, bool), cache=cache)
+    for a, b in zip(ks + vs, cache.k + cache.v):
+        np.testing.assert_allclose(np.asarray(a)[mask.astype(bool)],
+                                   np.asarray(b)[mask.astype(bool)], atol=1e-5)
+
+
 def test_kv_cache_prefill_then_decode_equals_full_forward(hf_pair):
     _, hf, _, ours = hf_pair
     tok = jnp.asarray(_tokens(hf.config.vocab_size, (2, 10), seed=2))

@@ -68,7 +68,11 @@ def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
         assert {(t // k) % m for t in hits} == {(q // u) % m}  # its padded mini-batch
 
 
-def test_packed_rows_get_the_log_probs_each_row_gets_alone():
+@pytest.mark.parametrize("block_min", [32, 3])  # one attention block per row, or several
+def test_packed_rows_get_the_log_probs_each_row_gets_alone(block_min, monkeypatch):
+    monkeypatch.setattr(models.decoder, "ATTN_BLOCK_MIN", block_min)
+    if block_min < 32:
+        assert len(models.decoder.causal_blocks(PROMPT + ANSWER)) > 4
     model = models.Decoder(MODEL, rngs=nnx.Rngs(0))
     graphdef, params = models.split(model)
     batch = make_batch()

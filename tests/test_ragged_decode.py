@@ -173,10 +173,10 @@ def test_the_decode_loop_updates_its_cache_in_place(case):
     graphdef, params = nnx.split(model)
     st = _static(0.0, (1,), 2)
     tok, mask = sampling.left_pad(_prompts(8, seed=1), 32, 0)
-    cache = models.decoder.init_cache(model.cfg, 8, 32, jnp.float32)
-    logits, cache = sampling._jitted("prefill", graphdef, None, None)(params, cache, tok, mask)
+    logits, prompt_k, prompt_v = sampling._jitted("prefill", graphdef, None, None)(params, tok,
+                                                                                 mask)
     state, _, _ = sampling._jitted("start", None, st, None, 64)(
-        cache, logits, key=jax.random.PRNGKey(0), prompt_ids_B=jnp.arange(8),
+        prompt_k, prompt_v, mask, logits, key=jax.random.PRNGKey(0), prompt_ids_B=jnp.arange(8),
         valid_B=jnp.ones(8, bool))
     seg = sampling._jitted("segment", graphdef, st, None, sampling.DECODE_SEGMENT)
     hlo = seg.lower(params, state, jnp.int32(1)).compile().as_text()

@@ -3,20 +3,23 @@
 Shapes: B prompt groups of G rows each (R = B*G rows, row b*G + g), P prompt columns, S slots
 of the generated-token cache, V vocab, K kv heads, H head dim, n segment steps.
 
-* `prefill(params, cache_B, prompt_BxP, mask_BxP)` runs the prompts once into their [B, P]
-  cache (donated, filled in place) and returns the last position's logits [B, V].
-* `start(cache_B, logits_BxV, key, prompt_ids_B, valid_B)` draws every row's first token and
-  builds the `DecodeState`: the prompt keys/values transposed for decode (read once for the G
-  rows that share them) and an empty generated-token cache of `cap` slots.
+* `prefill(params, prompt_BxP, mask_BxP)` runs the prompts once and returns the last
+  position's logits [B, V] and the prompts' keys/values, transposed for decode (read once for
+  the G rows that share them; no cache in the prefill's own layout is kept).
+* `start(prompt_k, prompt_v, mask_BxP, logits_BxV, key, prompt_ids_B, valid_B)` draws every
+  row's first token and builds the `DecodeState` around the prompt keys/values, with an empty
+  generated-token cache of `cap` slots.
 * `segment(params, state, t0)` decodes steps t0 .. t0+n-1 (n <= `seg`) in a `lax.while_loop`
   (the state is donated and updated in place; no host synchronisation inside) and stops early
   when every row has finished or t reaches max_new_tokens; it returns the segment's tokens and
   log-probs [R, seg] and n.
-* `regroup(state, index, keep)` makes a state with a larger generated-token cache and/or only
-  the rows `index` (then one row per group, G = 1): between segments the host drops finished
-  rows into a smaller row bucket and grows the cache as it fills, so that a step costs in
-  proportion to the rows still running and attention reads only the slots in use (a read of
-  a prefix of a larger cache would copy it every step).
+* `regroup_layer(gen_k, gen_v, prompt_k, prompt_v, index)` gives one layer a larger
+  generated-token cache and/or only the rows `index` (then one row per group, G = 1), and
+  `regroup_rows(fields, index, keep)` the per-row fields (`ROW_FIELDS`): between segments
+  the host drops finished rows into a smaller row bucket and grows the cache as it fills, so
+  that a step costs in proportion to the rows still running and attention reads only the
+  slots in use (a read of a prefix of a larger cache would copy it every step). Layer by
+  layer, each old layer freed once read, the old and the new state never both live whole.
 
 Each step feeds one token per row through the model's own layers (its norms, projections, RoPE
 and MLP; only the attention core is specialised here).
@@ -33,7 +36,7 @@ from flax import nnx
 
 from sage_jax.engine import placement
 from sage_jax.engine.select import is_eos, select
-from sage_jax.models.decoder import _NEG, KVCache, apply_rope, init_cache, rope_inv_freq
+from sage_jax.models.decoder import _NEG, apply_rope, rope_inv_freq
 
 PREFILL_SCORES_BYTES = 1 << 30  # prefill in chunks of prompts above ~1 GiB of attention scores
 
@@ -167,56 +170,44 @@ def prefill_rows(cfg, b: int, p: int) -> int:
     return rows
 
 
-def cache_shardings(lay, num_layers: int) -> KVCache:
-    """Shardings of a prompt cache: k, v [B, P, K, H] per layer, mask [B, P], index scalar."""
-    kv = (placement.spec(lay, 2),) * num_layers
-    return KVCache(k=kv, v=kv, mask_BxS=placement.spec(lay), index=placement.replicated(lay))
-
-
-def _on_cache(lay, cache: KVCache) -> KVCache:
-    """A prompt cache constrained to `cache_shardings` (inside jit)."""
-    if lay is None:
-        return cache
-    return jax.lax.with_sharding_constraint(cache, cache_shardings(lay, len(cache.k)))
-
-
-def prefill(graphdef, lay, params, cache_B: KVCache, prompt_BxP, mask_BxP):
-    """Runs the B prompts once into their cache; returns (last-position logits [B, V], cache)."""
+def prefill(graphdef, lay, params, prompt_BxP, mask_BxP):
+    """Runs the B prompts once; returns (last-position logits [B, V], prompt keys [B, K, H, P]
+    and values [B, K, P, H] per layer, in the model dtype, transposed for decode)."""
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, placement.sampler_params(params, lay))
     b, p = prompt_BxP.shape
     rows = prefill_rows(model.cfg, b, p)
+
+    def run(tok, mask):
+        h, ks, vs = model.prompt_kv(tok, mask)
+        return (model.logits(h[:, -1:])[:, 0],
+                tuple(k.astype(model.dtype).transpose(0, 2, 3, 1) for k in ks),
+                tuple(v.astype(model.dtype).transpose(0, 2, 1, 3) for v in vs))
+
     if rows >= b:
-        h, cache_B = model.hidden(prompt_BxP, mask_BxT=mask_BxP, cache=cache_B)
-        return placement.on(lay, model.logits(h[:, -1:])[:, 0]), _on_cache(lay, cache_B)
-
-    def chunk(xs):  # `rows` prompts at a time (sequentially), each into a fresh cache
-        tok, mask = xs
-        c = init_cache(model.cfg, rows, p, cache_B.k[0].dtype)
-        h, c = model.hidden(tok, mask_BxT=mask, cache=c)
-        return model.logits(h[:, -1:])[:, 0], c.k, c.v
-
-    n = b // rows
-    logits, ks, vs = jax.lax.map(chunk, (prompt_BxP.reshape(n, rows, p),
-                                         mask_BxP.reshape(n, rows, p)))
-    flat = lambda a: a.reshape((b,) + a.shape[2:])  # noqa: E731
-    cache_B = KVCache(k=tuple(map(flat, ks)), v=tuple(map(flat, vs)),
-                      mask_BxS=mask_BxP.astype(bool), index=jnp.asarray(p, jnp.int32))
-    return placement.on(lay, flat(logits)), _on_cache(lay, cache_B)
+        logits, prompt_k, prompt_v = run(prompt_BxP, mask_BxP)
+    else:  # `rows` prompts at a time (sequentially)
+        n = b // rows
+        logits, prompt_k, prompt_v = jax.lax.map(
+            lambda xs: run(*xs), (prompt_BxP.reshape(n, rows, p), mask_BxP.reshape(n, rows, p)))
+        flat = lambda a: a.reshape((b,) + a.shape[2:])  # noqa: E731
+        logits, prompt_k, prompt_v = flat(logits), tuple(map(flat, prompt_k)), tuple(
+            map(flat, prompt_v))
+    return (placement.on(lay, logits), placement.on(lay, prompt_k, kv_dim=1),
+            placement.on(lay, prompt_v, kv_dim=1))
 
 
-def start(st, lay, cap: int, cache_B: KVCache, logits_BxV, key, prompt_ids_B, valid_B):
+def start(st, lay, cap: int, prompt_k, prompt_v, mask_BxP, logits_BxV, key, prompt_ids_B,
+          valid_B):
     """(DecodeState with an empty `cap`-slot generated cache, first tokens [R], their
     log-probs [R]); row (b, g) draws from fold_in(fold_in(key, prompt_ids_B[b]), g)."""
     TRACE_COUNTS["start"] += 1
     b, g = logits_BxV.shape[0], st.num_samples
-    _, _, kh, h = cache_B.k[0].shape
-    dtype = cache_B.k[0].dtype
-    prompt_k = placement.on(lay, tuple(k.transpose(0, 2, 3, 1) for k in cache_B.k), kv_dim=1)
-    prompt_v = placement.on(lay, tuple(v.transpose(0, 2, 1, 3) for v in cache_B.v), kv_dim=1)
-    gen_k = placement.on(lay, tuple(jnp.zeros((b, kh, g, h, cap), dtype) for _ in cache_B.k),
+    _, kh, h, _ = prompt_k[0].shape
+    dtype = prompt_k[0].dtype
+    gen_k = placement.on(lay, tuple(jnp.zeros((b, kh, g, h, cap), dtype) for _ in prompt_k),
                          kv_dim=1)
-    gen_v = placement.on(lay, tuple(jnp.zeros((b, kh, g, cap, h), dtype) for _ in cache_B.k),
+    gen_v = placement.on(lay, tuple(jnp.zeros((b, kh, g, cap, h), dtype) for _ in prompt_k),
                          kv_dim=1)
     pid_R = jnp.repeat(prompt_ids_B.astype(jnp.int32), g)
     sid_R = jnp.tile(jnp.arange(g, dtype=jnp.int32), b)
@@ -224,9 +215,10 @@ def start(st, lay, cap: int, cache_B: KVCache, logits_BxV, key, prompt_ids_B, va
                                                                                         sid_R)
     keys_R, valid_R = placement.on(lay, (keys_R, jnp.repeat(valid_B, g)))
     tok, logp = select(placement.on(lay, jnp.repeat(logits_BxV, g, axis=0)), keys_R, 0, st)
-    pos0_R = jnp.repeat(jnp.sum(cache_B.mask_BxS, axis=1, dtype=jnp.int32), g)
+    mask_BxP = mask_BxP.astype(bool)
+    pos0_R = jnp.repeat(jnp.sum(mask_BxP, axis=1, dtype=jnp.int32), g)
     state = DecodeState(
-        prompt_k=prompt_k, prompt_v=prompt_v, prompt_mask_BxP=cache_B.mask_BxS,
+        prompt_k=prompt_k, prompt_v=prompt_v, prompt_mask_BxP=mask_BxP,
         gen_k=gen_k, gen_v=gen_v, pos0_R=pos0_R, keys_R=keys_R, last_R=tok,
         done_R=~valid_R | is_eos(tok, st.eos_ids), lengths_R=valid_R.astype(jnp.int32))
     tok, logp = placement.on(lay, (jnp.where(valid_R, tok, st.pad_id),
@@ -272,26 +264,32 @@ def segment(graphdef, st, lay, seg: int, params, state: DecodeState, t0):
     return state, toks, logps, n
 
 
-def regroup(lay, cap: int, state: DecodeState, index_R=None, keep_R=None):
-    """The state with a `cap`-slot generated cache (cap >= its slots) and, with `index_R`,
-    only the rows index_R, one row per group (its prompt's keys/values copied); rows where
-    `keep_R` is False are padding, marked finished."""
+def regroup_layer(lay, cap: int, gen_k, gen_v, prompt_k=None, prompt_v=None, index_R=None):
+    """One layer's generated keys/values in a `cap`-slot cache (cap >= its slots) and, with
+    `index_R`, only the rows index_R, one row per group, with the prompt's keys/values copied:
+    (gen_k, gen_v), or (prompt_k, prompt_v, gen_k, gen_v) with `index_R`. The host runs it
+    layer by layer and frees each old layer once read, so the old and the new cache never both
+    live whole."""
     TRACE_COUNTS["regroup"] += 1
-    grow = cap - state.slots
-    gen_k = tuple(jnp.pad(k, ((0, 0),) * 4 + ((0, grow),)) for k in state.gen_k)
-    gen_v = tuple(jnp.pad(v, ((0, 0),) * 3 + ((0, grow), (0, 0))) for v in state.gen_v)
+    grow = cap - gen_v.shape[3]
+    gen_k = jnp.pad(gen_k, ((0, 0),) * 4 + ((0, grow),))
+    gen_v = jnp.pad(gen_v, ((0, 0),) * 3 + ((0, grow), (0, 0)))
     if index_R is None:
-        return state.replace(gen_k=placement.on(lay, gen_k, kv_dim=1),
-                             gen_v=placement.on(lay, gen_v, kv_dim=1))
-    b_R, g_R = index_R // state.group, index_R % state.group
-    rows = lambda x: placement.on(lay, jnp.take(x, index_R, axis=0))  # noqa: E731
-    return DecodeState(
-        prompt_k=placement.on(lay, tuple(jnp.take(k, b_R, axis=0) for k in state.prompt_k),
-                              kv_dim=1),
-        prompt_v=placement.on(lay, tuple(jnp.take(v, b_R, axis=0) for v in state.prompt_v),
-                              kv_dim=1),
-        prompt_mask_BxP=placement.on(lay, jnp.take(state.prompt_mask_BxP, b_R, axis=0)),
-        gen_k=placement.on(lay, tuple(k[b_R, :, g_R][:, :, None] for k in gen_k), kv_dim=1),
-        gen_v=placement.on(lay, tuple(v[b_R, :, g_R][:, :, None] for v in gen_v), kv_dim=1),
-        pos0_R=rows(state.pos0_R), keys_R=rows(state.keys_R), last_R=rows(state.last_R),
-        done_R=rows(state.done_R) | ~keep_R, lengths_R=rows(state.lengths_R))
+        return placement.on(lay, (gen_k, gen_v), kv_dim=1)
+    b_R, g_R = index_R // gen_v.shape[2], index_R % gen_v.shape[2]
+    prompt_k, prompt_v = jnp.take(prompt_k, b_R, axis=0), jnp.take(prompt_v, b_R, axis=0)
+    gen_k, gen_v = gen_k[b_R, :, g_R][:, :, None], gen_v[b_R, :, g_R][:, :, None]
+    return placement.on(lay, (prompt_k, prompt_v, gen_k, gen_v), kv_dim=1)
+
+
+ROW_FIELDS = ("prompt_mask_BxP", "pos0_R", "keys_R", "last_R", "done_R", "lengths_R")
+
+
+def regroup_rows(lay, fields: dict, index_R, keep_R) -> dict:
+    """The `ROW_FIELDS` of a state for the rows index_R (one row per group); rows where
+    `keep_R` is False are padding, marked finished."""
+    b_R = index_R // (fields["done_R"].shape[0] // fields["prompt_mask_BxP"].shape[0])
+    out = {k: placement.on(lay, jnp.take(x, b_R if k == "prompt_mask_BxP" else index_R, axis=0))
+           for k, x in fields.items()}
+    out["done_R"] = out["done_R"] | ~keep_R
+    return out

@@ -56,10 +56,11 @@ class Estimate:
       [P', K/tp, G, H, S] per layer (k and v), in the model dtype, P' = batch bucket of P prompts
       split over data*fsdp, P'' = prompt bucket, S = max_new_tokens - 1 rounded up to 8 (the
       size the cache grows to while rows keep running).
-    sampler_work: the largest transient of a sampling call: the decode start's transposed copy
-      of the prompt cache plus its [P'*G, V] float32 logits, the prefill's chunk of attention
-      scores, the half-size cache alive while the cache doubles to S, or the state of fewer rows
-      (one per group, prompt copied) built while the old one lives, whichever is largest.
+    sampler_work: the largest transient of a sampling call: the decode start's [P'*G, V]
+      float32 logits, the prefill's chunk of attention scores, one layer's half-size cache
+      alive while that layer's cache doubles to S, or one layer of fewer rows (one per group,
+      prompt copied) built while the old one lives (regrouping goes layer by layer, each old
+      layer freed once read), whichever is largest.
     activations: what one micro-batch of the update keeps for and uses in its backward pass.
     """
 
@@ -177,39 +178,50 @@ def kv_cache_bytes(cfg: models.ModelConfig, mesh, *, prompts: int, group_size: i
     chunk = decode.prefill_rows(cfg, b, p)  # prompts per prefill chunk (global)
     scores = (2 * _split(chunk, shards) * _split(cfg.num_heads, mesh.shape["tensor"])
               * p * p * F32)  # float32 scores and softmax of one chunk, one layer
-    # The cache grows by doubling: the last growth holds the half-size cache next to the full.
+    # The cache grows by doubling, layer by layer: the last growth holds one layer's half-size
+    # cache next to its full one.
     half = max((x for x in map(lambda c: sampling.slot_bucket(c, max_new_tokens), range(1, s))
                 if x < s), default=0)
-    grow = cfg.num_layers * rows * group_size * half * kv_row
-    # Dropping finished rows builds the state of fewer rows (one per group, its prompt copied)
-    # while the old one lives: at most the largest row bucket below all the rows (with the
-    # 1.5x buckets, the larger bound).
+    grow = rows * group_size * half * kv_row
+    # Dropping finished rows builds, layer by layer, the layer of fewer rows (one per group, its
+    # prompt copied) while the old one lives: at most the largest row bucket below all the rows
+    # (with the 1.5x buckets, the larger bound).
     total = b * group_size
     fewer = max((x for x in map(lambda n: sampling.row_bucket(n, shards, fine=True),
                                 range(1, total))
                  if x < total), default=0)
-    regroup = cfg.num_layers * _split(fewer, shards) * (p + s) * kv_row
-    return cache, max(prompt + logits, scores, grow, regroup)
+    regroup = _split(fewer, shards) * (p + s) * kv_row
+    return cache, max(logits, scores, grow, regroup)
 
 
-def _layer_saved_per_token(cfg, c: int, tp: int, s: int) -> int:
+def _keys_per_query(seq_len: int) -> float:
+    """Key slots a query's scores span, on average, in the causal query blocks of a row of
+    `seq_len` tokens (`decoder.causal_blocks`: the whole row when it is one block)."""
+    return sum((e - a) * e for a, e in models.decoder.causal_blocks(seq_len)) / seq_len
+
+
+def _layer_saved_per_token(cfg, c: int, tp: int, seq_len: int) -> int:
     """Bytes one layer keeps per token for its backward pass (no remat), c = compute itemsize,
-    s = key slots (the row length): float32 normalised inputs and their casts (2 norms), q and
-    k after RoPE, v, float32 softmax and compute-dtype probabilities over the s slots, the
-    attention output, and the MLP's gate, up and their product."""
+    in rows of `seq_len` tokens: float32 normalised inputs and their casts (2 norms), q and
+    k after RoPE, v, float32 softmax and compute-dtype probabilities over the key slots of
+    each query block, the blocks' copies of keys and values, the attention output, and the
+    MLP's gate, up and their product."""
     n, k = _split(cfg.num_heads, tp), _split(cfg.num_kv_heads, tp)
     f, h, d = _split(cfg.intermediate_size, tp), cfg.head_dim, cfg.hidden_size
+    blocks = models.decoder.causal_blocks(seq_len)
     norms = 2 * (F32 + c) * d
     qkv = c * (n + 2 * k) * h + (F32 * (n + k) * h if cfg.qk_norm else 0)
-    core = (F32 + c) * n * s + c * n * h
-    return norms + qkv + core + 3 * c * f
+    sliced = 2 * c * k * h * sum(e for _, e in blocks[:-1]) / seq_len
+    core = (F32 + c) * n * _keys_per_query(seq_len) + c * n * h
+    return int(norms + qkv + sliced + core + 3 * c * f)
 
 
-def _layer_backward_per_token(cfg, c: int, tp: int, s: int) -> int:
+def _layer_backward_per_token(cfg, c: int, tp: int, seq_len: int) -> int:
     """Bytes per token of the gradients alive while one layer is back-propagated: d(scores)
-    in float32 and d(probs) over the s slots, and the MLP's two d(hidden) of width F."""
+    in float32 and d(probs) over each query block's key slots, and the MLP's two d(hidden) of
+    width F."""
     n, f = _split(cfg.num_heads, tp), _split(cfg.intermediate_size, tp)
-    return (F32 + c) * n * s + 2 * c * f
+    return int((F32 + c) * n * _keys_per_query(seq_len) + 2 * c * f)
 
 
 def _layer_weight_elems(cfg) -> int:

@@ -19,7 +19,8 @@ How a call runs (the device programs are in `decode`):
    power of two >= 8; padding rows are marked finished from the start and dropped from the
    output.
 2. Prefill: the B prompts run once through the model (a prompt is never prefilled G times); only
-   the last position's logits are computed. Every row draws its first token.
+   the last position's logits are computed, and the prompts' keys/values come out in the
+   layout decode reads. Every row draws its first token.
 3. Decode, `DECODE_SEGMENT` steps (all T without EOS ids) per jitted `lax.while_loop` (no
    host synchronisation inside; the state is donated and updated in place). A row attends to
    its prompt's keys/values, read once for the G rows that share them, and to its own generated
@@ -28,9 +29,10 @@ How a call runs (the device programs are in `decode`):
    8, 12, 16, 24, 32, 48, ..., and the 1.5x prompt buckets too), gathers them into
    it (one row per group from then on, the prompt's keys/values copied); the generated-token cache
    starts at `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots
-   in use. Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached
-   per shape: a run compiles one segment program per (prompt bucket, row bucket, cache size)
-   it meets.
+   in use. Both go layer by layer, each old layer freed once read: the old and the new cache
+   never both live whole. Decoding ends when every row has emitted an EOS id or T tokens. Programs
+   are cached per shape: a run compiles one segment program per (prompt bucket, row bucket,
+   cache size) it meets.
 
 Sampling knobs (`select`): `temperature`, `top_p`, `top_k` and `eos_ids` are *static* (part of
 the compiled program's key; a run uses two or three settings -- training 1.0/1.0/0, evaluation
@@ -71,7 +73,6 @@ from jax.sharding import Mesh
 
 from sage_jax import distributed, parallel
 from sage_jax.engine import decode, placement
-from sage_jax.models.decoder import init_cache
 
 PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 24, 32, 48, 64, 96, 128, ...
 BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
@@ -205,14 +206,16 @@ def _jitted(kind: str, graphdef, st: _Static | None, lay, extra=None):
     except KeyError:
         pass
     if kind == "prefill":
-        fn = jax.jit(functools.partial(decode.prefill, graphdef, lay), donate_argnums=(1,))
-    elif kind == "start":
-        fn = jax.jit(functools.partial(decode.start, st, lay, extra))
+        fn = jax.jit(functools.partial(decode.prefill, graphdef, lay))
+    elif kind == "start":  # the prompt keys/values pass through into the state, not copied
+        fn = jax.jit(functools.partial(decode.start, st, lay, extra), donate_argnums=(0, 1))
     elif kind == "segment":
         fn = jax.jit(functools.partial(decode.segment, graphdef, st, lay, extra),
                      donate_argnums=(1,))
+    elif kind == "regroup":
+        fn = jax.jit(functools.partial(decode.regroup_layer, lay, extra))
     else:
-        fn = jax.jit(functools.partial(decode.regroup, lay, extra))
+        fn = jax.jit(functools.partial(decode.regroup_rows, lay))
     try:
         _JITTED[key] = fn
     except TypeError:
@@ -315,24 +318,17 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     ids = xp.pad(xp.asarray(prompt_ids_B).astype(xp.int32), (0, bb - b))
     valid = np.arange(bb) < b
 
-    model = nnx.merge(graphdef, params)  # cheap: only to read the config and dtype
-    cfg, dtype = model.cfg, jnp.dtype(model.dtype)
-    lay = placement.layout(mesh, cfg.num_kv_heads, bb)
-    if lay is None:
-        prompt_cache = init_cache(cfg, bb, pb, dtype)
-    else:  # every array created or placed where the programs keep it (no later reshard)
+    model = nnx.merge(graphdef, params)  # cheap: only to read the config
+    lay = placement.layout(mesh, model.cfg.num_kv_heads, bb)
+    if lay is not None:  # every input placed where the programs keep it (no later reshard)
         tokens, mask, ids, valid = (_put(x, lay, rows=True) for x in (tokens, mask, ids, valid))
         key = _put(key, lay)
-        shapes = jax.eval_shape(lambda: init_cache(cfg, bb, pb, dtype))
-        prompt_cache = jax.tree.map(lambda a, sh: jnp.zeros(a.shape, a.dtype, device=sh),
-                                    shapes, decode.cache_shardings(lay, cfg.num_layers))
-    logits, prompt_cache = _jitted("prefill", graphdef, None, lay)(params, prompt_cache, tokens,
-                                                                   mask)
+    logits, prompt_k, prompt_v = _jitted("prefill", graphdef, None, lay)(params, tokens, mask)
     seg = DECODE_SEGMENT if st.eos_ids else st.max_new_tokens  # without EOS no row ends early
     cap = slot_bucket(seg, st.max_new_tokens)
-    state, tok0, logp0 = _jitted("start", None, st, lay, cap)(prompt_cache, logits, key, ids,
-                                                               valid)
-    del prompt_cache
+    state, tok0, logp0 = _jitted("start", None, st, lay, cap)(prompt_k, prompt_v, mask, logits,
+                                                               key, ids, valid)
+    del prompt_k, prompt_v
     out = _decode_segments(graphdef, params, st, mesh, lay, seg, state, tok0, logp0, fine)
     if bb != b:
         out = jax.tree.map(lambda x: x[:b], out)
@@ -364,11 +360,10 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, 
             index = np.concatenate([live, np.full(rows - live.size, live[0])]).astype(np.int32)
             keep = np.arange(rows) < live.size
             lay = placement.layout(mesh, state.prompt_k[0].shape[1], rows)
-            state = _jitted("regroup", None, None, lay, cap)(state, _put(index, lay),
-                                                             _put(keep, lay, rows=True))
+            state = _regroup(state, lay, cap, _put(index, lay), _put(keep, lay, rows=True))
             row_ids = np.where(keep, row_ids[index], -1)
         elif cap > state.slots:  # the cache is full: grow it
-            state = _jitted("regroup", None, None, lay, cap)(state)
+            state = _regroup(state, lay, cap)
         state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay, seg)(
             params, state, _put(np.int32(t), lay))
         seg_tok, seg_logp, seg_len, done, n = distributed.fetch(
@@ -381,6 +376,28 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, 
     b = r0 // g
     return SampleOutput(tokens=tokens.reshape(b, g, t_max), lengths=lengths.reshape(b, g),
                         logprobs=logps.reshape(b, g, t_max), decode_row_steps=row_steps)
+
+
+def _regroup(state, lay, cap: int, index_R=None, keep_R=None):
+    """`state` with a `cap`-slot generated cache and, with `index_R`, only those rows (one per
+    group; `keep_R` False: padding). Layer by layer: each old layer is deleted as soon as its
+    program is queued (the runtime frees it once read), so the old and the new cache never
+    both live whole. `state`'s caches are gone afterwards."""
+    fn = _jitted("regroup", None, None, lay, cap)
+    layers = []
+    for i in range(len(state.gen_k)):
+        old = (state.gen_k[i], state.gen_v[i])
+        if index_R is not None:
+            old += (state.prompt_k[i], state.prompt_v[i])
+        layers.append(fn(*old) if index_R is None else fn(*old, index_R))
+        for x in old:
+            x.delete()
+    if index_R is None:
+        return state.replace(gen_k=tuple(k for k, _ in layers), gen_v=tuple(v for _, v in layers))
+    pk, pv, gk, gv = (tuple(x) for x in zip(*layers))
+    fields = {k: getattr(state, k) for k in decode.ROW_FIELDS}
+    fields = _jitted("rows", None, None, lay)(fields, index_R, keep_R)
+    return state.replace(prompt_k=pk, prompt_v=pv, gen_k=gk, gen_v=gv, **fields)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,

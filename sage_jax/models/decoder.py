@@ -23,6 +23,12 @@ from flax import nnx
 from sage_jax.models.config import ModelConfig
 
 _NEG = -1e30  # finite "minus infinity": a fully masked (padding) row stays finite
+# Causal self-attention (no cache) runs in query blocks that read only the keys up to their
+# own end: less work and smaller scores than the full [T, T] product (each block's keys and
+# values are a slice, copied, so short rows stay one block). Blocks of at least
+# ATTN_BLOCK_MIN queries, at most ATTN_BLOCKS_MAX of them (each is its own op in the program).
+ATTN_BLOCK_MIN = 128
+ATTN_BLOCKS_MAX = 8
 
 
 @flax.struct.dataclass
@@ -115,6 +121,25 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.cdtype) * x32.astype(self.cdtype)
 
 
+def causal_blocks(t: int) -> list[tuple[int, int]]:
+    """Query blocks [(start, end)] of causal self-attention over t positions: block
+    [start, end) attends to keys [0, end) only."""
+    n = max(1, min(ATTN_BLOCKS_MAX, t // ATTN_BLOCK_MIN))
+    c = -(-t // n)
+    return [(a, min(a + c, t)) for a in range(0, t, c)]
+
+
+def _attend(q_BxTxKxJxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS):
+    """Scaled dot-product attention with float32 scores and softmax: out [B, T, K, J, H]."""
+    h = q_BxTxKxJxH.shape[-1]
+    cd = q_BxTxKxJxH.dtype
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxJxH, k_BxSxKxH.astype(cd),
+                        preferred_element_type=jnp.float32) / math.sqrt(h)
+    scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cd)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH.astype(cd))
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with optional q/k/v bias and Qwen3 q/k norm."""
 
@@ -133,7 +158,8 @@ class Attention(nnx.Module):
         self.n, self.k, self.h = n, k, h
 
     def __call__(self, x_BxTxD, positions_BxT, inv_freq, allowed_BxTxS, kv=None):
-        """Returns (out_BxTxD, (k_BxSxKxH, v_BxSxKxH)); `kv` = (cache_k, cache_v, index)."""
+        """Returns (out_BxTxD, (k_BxSxKxH, v_BxSxKxH)); `kv` = (cache_k, cache_v, index).
+        Without `kv`, `allowed_BxTxS` must be causal (S = T; never a later key)."""
         b, t, _ = x_BxTxD.shape
         q = self.q_proj(x_BxTxD).reshape(b, t, self.n, self.h)
         k = self.k_proj(x_BxTxD).reshape(b, t, self.k, self.h)
@@ -147,11 +173,12 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
             v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
         q_BxTxKxJxH = q.reshape(b, t, self.k, self.n // self.k, self.h)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxJxH, k.astype(q.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(self.h)
-        scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype))
+        if kv is None:  # causal: each query block reads the keys up to its own end only
+            out = jnp.concatenate(
+                [_attend(q_BxTxKxJxH[:, a:e], k[:, :e], v[:, :e], allowed_BxTxS[:, a:e, :e])
+                 for a, e in causal_blocks(t)], axis=1)
+        else:
+            out = _attend(q_BxTxKxJxH, k, v, allowed_BxTxS)
         return self.o_proj(out.reshape(b, t, self.n * self.h)), (k, v)
 
 
@@ -220,7 +247,7 @@ class Decoder(nnx.Module):
             positions_BxT = jnp.arange(t)[None] - start if positions_BxT is None else positions_BxT
             allowed_BxTxS = ((jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
                              & (seg[:, :, None] == seg[:, None, :]) & (seg > 0)[:, None, :])
-            return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)
+            return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)[0]
         mask_BxT = jnp.ones((b, t), bool) if mask_BxT is None else mask_BxT.astype(bool)
         if cache is None:
             key_mask_BxS = mask_BxT
@@ -237,13 +264,24 @@ class Decoder(nnx.Module):
         s = key_mask_BxS.shape[1]
         allowed_BxTxS = (jnp.arange(s)[None, :] <= q_slot_T[:, None])[None] & key_mask_BxS[:, None]
         if cache is None:
-            return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)
-        h, (new_k, new_v) = self._layers(tokens_BxT, positions_BxT, allowed_BxTxS, cache)
+            return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)[0]
+        h, new_k, new_v = self._layers(tokens_BxT, positions_BxT, allowed_BxTxS, cache)
         return h, KVCache(k=tuple(new_k), v=tuple(new_v), mask_BxS=key_mask_BxS,
                           index=cache.index + t)
 
+    def prompt_kv(self, tokens_BxT, mask_BxT):
+        """(final-norm hidden states [B, T, D], keys and values per layer [B, T, K, H]) of
+        left-padded prompts (`mask_BxT` True on real tokens): what `hidden` with an empty cache
+        of T slots would return and store, without the cache."""
+        mask_BxT = mask_BxT.astype(bool)
+        t = tokens_BxT.shape[1]
+        positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1) - 1, 0)
+        allowed_BxTxS = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None] & mask_BxT[:, None]
+        h, ks, vs = self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)
+        return h, tuple(ks), tuple(vs)
+
     def _layers(self, tokens_BxT, positions_BxT, allowed_BxTxS, cache: KVCache | None = None):
-        """Embedding, blocks and final norm: h [B, T, D] (and the blocks' (k, v) with a cache)."""
+        """Embedding, blocks and final norm: (h [B, T, D], the blocks' keys and values)."""
         inv_freq = rope_inv_freq(self.cfg)
         x = self.embed_tokens[...][tokens_BxT].astype(self.compute_dtype)
         new_k, new_v = [], []
@@ -253,8 +291,7 @@ class Decoder(nnx.Module):
             x, (k, v) = call(layer, x, positions_BxT, inv_freq, allowed_BxTxS, kv)
             new_k.append(k)
             new_v.append(v)
-        h = self.norm(x)
-        return h if cache is None else (h, (new_k, new_v))
+        return self.norm(x), new_k, new_v
 
     def logits(self, h_BxTxD: jax.Array) -> jax.Array:
         """float32 logits [B, T, V] from final hidden states."""
