@@ -250,32 +250,26 @@ class Decoder(nnx.Module):
             return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)[0]
         mask_BxT = jnp.ones((b, t), bool) if mask_BxT is None else mask_BxT.astype(bool)
         if cache is None:
-            key_mask_BxS = mask_BxT
-            q_slot_T = jnp.arange(t)
-            if positions_BxT is None:
-                positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1) - 1, 0)
-        else:
-            key_mask_BxS = jax.lax.dynamic_update_slice(cache.mask_BxS, mask_BxT,
-                                                        (0, cache.index))
-            q_slot_T = cache.index + jnp.arange(t)
-            if positions_BxT is None:
-                before = jnp.sum(cache.mask_BxS, axis=1, keepdims=True)
-                positions_BxT = jnp.maximum(before + jnp.cumsum(mask_BxT, axis=1) - 1, 0)
+            return self.prompt_kv(tokens_BxT, mask_BxT, positions_BxT)[0]
+        key_mask_BxS = jax.lax.dynamic_update_slice(cache.mask_BxS, mask_BxT, (0, cache.index))
+        q_slot_T = cache.index + jnp.arange(t)
+        if positions_BxT is None:
+            before = jnp.sum(cache.mask_BxS, axis=1, keepdims=True)
+            positions_BxT = jnp.maximum(before + jnp.cumsum(mask_BxT, axis=1) - 1, 0)
         s = key_mask_BxS.shape[1]
         allowed_BxTxS = (jnp.arange(s)[None, :] <= q_slot_T[:, None])[None] & key_mask_BxS[:, None]
-        if cache is None:
-            return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)[0]
         h, new_k, new_v = self._layers(tokens_BxT, positions_BxT, allowed_BxTxS, cache)
         return h, KVCache(k=tuple(new_k), v=tuple(new_v), mask_BxS=key_mask_BxS,
                           index=cache.index + t)
 
-    def prompt_kv(self, tokens_BxT, mask_BxT):
+    def prompt_kv(self, tokens_BxT, mask_BxT, positions_BxT=None):
         """(final-norm hidden states [B, T, D], keys and values per layer [B, T, K, H]) of
-        left-padded prompts (`mask_BxT` True on real tokens): what `hidden` with an empty cache
-        of T slots would return and store, without the cache."""
+        left-padded rows (`mask_BxT` True on real tokens; positions count them unless given),
+        without a cache: what `hidden` with an empty cache of T slots would return and store."""
         mask_BxT = mask_BxT.astype(bool)
         t = tokens_BxT.shape[1]
-        positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1) - 1, 0)
+        if positions_BxT is None:
+            positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1) - 1, 0)
         allowed_BxTxS = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None] & mask_BxT[:, None]
         h, ks, vs = self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)
         return h, tuple(ks), tuple(vs)
