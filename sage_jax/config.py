@@ -126,7 +126,7 @@ class RLConfig(_Section):
     micro_batch_size: int | None = None
     epochs_per_batch: int = 1  # Passes over each step's rollouts.
     # The update packs whole rows end to end into its sequences (same loss and gradients,
-    # fewer padding tokens; a micro-batch is then micro_batch_size packed sequences).
+    # fewer padding tokens; a micro-batch is then at most micro_batch_size packed sequences).
     padding_free: bool = True
     collapse_std: float = 0.0  # A group has collapsed when its reward std is <= this.
     success_threshold: float = 0.0  # A prompt is resolved when some answer's reward exceeds this.

@@ -1,6 +1,8 @@
 """The padding-free update (`engine.packing`): rows packed end to end give the padded batch's
 per-row log-probs, loss, gradients and training step, in every loss aggregation."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -48,13 +50,13 @@ def max_diff(a, b):
 
 def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
     batch, cfg = make_batch(), make_cfg()
-    packed = update.pack_batch(batch, cfg)
+    packed = update.pack_batch(batch, cfg, one_device_mesh())
     m, u, r = update.layout(16, cfg.rl)
     s = len(packed["tokens_SxL"])
-    assert s < 16 and s % (m * r) == 0  # fewer sequences than rows, whole micro-batches
+    assert s < 16 and update.packed_split(s, 16, cfg.rl, one_device_mesh())  # fewer sequences
     assert packing.padding_share(packed) < 1 - batch["mask_NxL"].mean() - 0.2
     # Every row's tokens appear once, contiguous, in a sequence of its own mini-batch.
-    k = s // (m * r)
+    k = s // m // update.packed_split(s, 16, cfg.rl, one_device_mesh())[2]
     for q in range(16):
         row = batch["tokens_NxL"][q][batch["mask_NxL"][q]]
         hits = []
@@ -76,7 +78,7 @@ def test_packed_rows_get_the_log_probs_each_row_gets_alone(block_min, monkeypatc
     model = models.Decoder(MODEL, rngs=nnx.Rngs(0))
     graphdef, params = models.split(model)
     batch = make_batch()
-    packed = update.pack_batch(batch, make_cfg())
+    packed = update.pack_batch(batch, make_cfg(), one_device_mesh())
     alone = np.asarray(grpo.token_logprobs(graphdef, params, batch["tokens_NxL"],
                                            batch["mask_NxL"], need_NxL=batch["loss_mask_NxL"]))
     together = np.asarray(grpo.token_logprobs(graphdef, params, packed["tokens_SxL"], None,
@@ -94,7 +96,7 @@ def test_packed_update_equals_padded_update(agg):
     """Loss, gradients and one whole two-update step, old log-probs recomputed or given."""
     cfg, mesh = make_cfg(loss_agg=agg), one_device_mesh()
     batch = make_batch(seed=1)
-    packed = update.pack_batch(batch, cfg)
+    packed = update.pack_batch(batch, cfg, mesh)
     assert len(packed["tokens_SxL"]) < 16
     graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, mesh)
 
@@ -117,9 +119,61 @@ def test_packed_update_equals_padded_update(agg):
         np.testing.assert_allclose(met_pack[key], met_pad[key], rtol=1e-5, atol=1e-7)
 
 
+def test_micro_split_takes_the_fewest_large_enough_micro_batches():
+    assert packing.micro_split(20, 4) == (5, 4)
+    assert packing.micro_split(18, 4) == (6, 3)  # not rounded up to 20 sequences
+    assert packing.micro_split(18, 16) == (2, 9)
+    assert packing.micro_split(3, 16) == (1, 3)  # one micro-batch holds them all
+    assert packing.micro_split(17, 4) is None  # only 17 x 1: micro-batches under R/2
+    assert packing.micro_split(18, 4, micro_batches=5) is None
+    assert packing.micro_split(12, 8, shards=4) == (3, 4)
+    assert packing.micro_split(6, 8, shards=4) is None  # 6 does not split over 4 shards
+    assert packing.micro_split(0, 4) is None
+
+
+@pytest.mark.parametrize("rows,seed,minibatches,micro,shape", [
+    (32, 3, 2, 4, (1, 1, 1)),  # micro-batches of 3 sequences (R = 4)
+    (32, 2, 1, 8, (1, 1, 1)),  # 2 x 7 sequences (R = 8)
+    (32, 3, 2, 8, (8, 1, 1)),  # sequences split over 8 devices
+    (32, 3, 2, 8, (2, 2, 2)),
+])
+def test_packed_step_with_fewer_sequences_per_micro_batch_equals_padded(
+        rows, seed, minibatches, micro, shape):
+    """Packed micro-batches of R' < R sequences, on 1 device and on 8-device meshes, give the
+    padded update's step on 1 device."""
+    cfg = make_cfg(prompts_per_step=rows // 4, minibatches=minibatches, micro_batch_size=micro)
+    # eps=1: an update is about lr * g, so the params compare the gradients (Adam's first
+    # step, g / |g|, would magnify the float noise of near-zero gradients).
+    cfg = dataclasses.replace(cfg, optim=OptimConfig(lr=1.0, eps=1.0))
+    batch = make_batch(rows, seed)
+    base = one_device_mesh()
+    mesh = base if shape == (1, 1, 1) else parallel.make_mesh(MeshConfig(*shape))
+    packed = update.pack_batch(batch, cfg, mesh)
+    s = len(packed["tokens_SxL"])
+    m, k, r = update.packed_split(s, rows, cfg.rl, mesh)
+    assert s < rows and r % parallel.row_shards(mesh) == 0
+    if shape == (1, 1, 1):
+        assert r < micro  # the case this test is for: not a multiple of R
+    update.check_batch(packed, cfg, mesh)
+
+    def step(batch, mesh):
+        graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg,
+                                                  mesh)
+        return update.make_train_step(graphdef, cfg, mesh)(state,
+                                                           parallel.shard_batch(batch, mesh))
+
+    (pad, met_pad), (pack, met_pack) = step(batch, base), step(packed, mesh)
+    start = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, base)[1]
+    assert max_diff(pad.params, start.params) > 1e-4  # the step moved the params
+    assert max_diff(pad.params, pack.params) < 1e-5
+    for key in ("loss", "grad_norm", "tokens", "entropy"):
+        np.testing.assert_allclose(met_pack[key], met_pad[key], rtol=1e-5, atol=1e-7)
+    assert float(met_pack["batch/padding_share"]) < float(met_pad["batch/padding_share"]) - 0.2
+
+
 def test_a_bad_packed_batch_is_named():
     cfg, mesh = make_cfg(), one_device_mesh()
-    packed = update.pack_batch(make_batch(), cfg)
+    packed = update.pack_batch(make_batch(), cfg, mesh)
     with pytest.raises(ValueError, match="segments_SxL"):
         update.check_batch({k: v for k, v in packed.items() if k != "segments_SxL"}, cfg, mesh)
     with pytest.raises(ValueError, match="whole number of mini-batches"):

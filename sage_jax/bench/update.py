@@ -122,7 +122,7 @@ def run(args) -> None:
                  old_logp_NxL=np.asarray(old),
                  advantages_N=rng.standard_normal(rows).astype(np.float32))
     if cfg.rl.padding_free:
-        batch = update.pack_batch(batch, cfg)
+        batch = update.pack_batch(batch, cfg, mesh)
     slots = batch["loss_mask_SxL" if cfg.rl.padding_free else "loss_mask_NxL"].size
     batch = parallel.shard_batch(batch, mesh)
     real_tokens = int(mask.sum())

@@ -8,7 +8,7 @@ per mini-batch (first-fit, longest first), so mini-batch membership is that of t
 layout (see `update.py`), and the loss denominators, the per-row log-probs and hence the
 gradients are those of the padded batch.
 
-Packed batch (S = M * U' * R sequences of L columns; N rows):
+Packed batch (S = M * U' * R' sequences of L columns; N rows):
   tokens_SxL      int32  the rows' tokens, end to end; 0 on padding
   segments_SxL    int32  0 on padding, else 1 + the row's index within its sequence
   loss_mask_SxL   bool   answer tokens (as `loss_mask_NxL`)
@@ -17,7 +17,10 @@ Packed batch (S = M * U' * R sequences of L columns; N rows):
   old_logp_SxL, ref_logp_SxL  optional, as the `_NxL` ones
   advantages_N, level_N, collapse_N, answer_len_N  per row, for the batch metrics
 Sequence s sits at mini-batch j, micro-batch i, slot r with s = r*M*U' + j*U' + i (the stripes
-of `update.py`); U' <= U micro-batches per mini-batch, as many as the fullest one needs.
+of `update.py`). A mini-batch is (U', R') = `micro_split(S / M, R, shards)`: U' <= U micro-batches
+of R' <= R sequences (R = rl.micro_batch_size), so that the sequence count follows what the
+fullest mini-batch needs, not a multiple of R; a micro-batch never holds more tokens than the
+padded layout's. Each new (U', R') the batches need is one more update program to compile.
 """
 
 from __future__ import annotations
@@ -32,12 +35,32 @@ def is_packed(batch: dict) -> bool:
     return any(key.endswith("_SxL") for key in batch)
 
 
-def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int) -> dict:
-    """The packed form (above) of a padded numpy batch of the layout in `update.py`, whose
-    mini-batches are `micro_batches` micro-batches of `micro_rows` rows (`update.layout`).
+def micro_split(sequences: int, micro_rows: int, shards: int = 1,
+                micro_batches: int | None = None) -> tuple[int, int] | None:
+    """(U', R'): a mini-batch of `sequences` packed sequences as U' micro-batches of R'
+    sequences, or None when it has no such split. R' <= `micro_rows` is a multiple of `shards`
+    (the mesh's row shards) and, unless one micro-batch holds them all, at least half of
+    `micro_rows` (micro-batches stay large); U' is the fewest that does it, at most
+    `micro_batches` when given."""
+    if sequences < 1:
+        return None
+    least = 1 if sequences <= micro_rows else -(-micro_rows // 2)
+    most = sequences if micro_batches is None else micro_batches
+    for k in range(-(-sequences // micro_rows), most + 1):
+        rows, rest = divmod(sequences, k)
+        if not rest and rows >= least and not rows % shards:
+            return k, rows
+    return None
 
-    Each mini-batch gets the same number of sequences U' * R (R = `micro_rows`), enough for the
-    fullest one; sequences keep the batch's L columns."""
+
+def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
+         shards: int = 1) -> dict:
+    """The packed form (above) of a padded numpy batch of the layout in `update.py`, whose
+    mini-batches are `micro_batches` micro-batches of `micro_rows` rows (`update.layout`), for
+    a mesh with `shards` row shards.
+
+    Each mini-batch gets the same number of sequences U' * R', the fewest at or above what the
+    fullest one needs that `micro_split` splits; sequences keep the batch's L columns."""
     m, u, r = minibatches, micro_batches, micro_rows
     mask = np.asarray(batch["mask_NxL"], bool)
     n, width = mask.shape
@@ -58,9 +81,14 @@ def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int) 
             seqs[k].append(int(q))
             room[k] -= int(lengths[q])
         bins.append(seqs)
-    most = max(len(seqs) for seqs in bins)
-    u2 = min(-(-most // r), u)  # micro-batches per mini-batch: at most U programs to compile
-    s = m * u2 * r
+    need = max(len(seqs) for seqs in bins)
+    # At most U * R (each row alone), which splits as the padded layout does: U x R.
+    split = next((split for n in range(need, u * r + 1)
+                  if (split := micro_split(n, r, shards, u)) is not None), None)
+    if split is None:
+        raise ValueError(f"micro-batches of {r} rows do not split over {shards} row shards")
+    u2, r2 = split
+    s = m * u2 * r2
     out = {"tokens_SxL": np.zeros((s, width), np.int32),
            "segments_SxL": np.zeros((s, width), np.int32),
            "loss_mask_SxL": np.zeros((s, width), bool),

@@ -14,8 +14,8 @@ Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
 The packed form of this batch (`engine.packing`: whole rows end to end in S sequences of L
-columns, per mini-batch) gives the same loss and gradients at the cost of the real tokens;
-`pack_batch` makes it, `train_step` takes either.
+columns, per mini-batch, in micro-batches of at most R sequences) gives the same loss and
+gradients at the cost of the real tokens; `pack_batch` makes it, `train_step` takes either.
 
 One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates. Mini-batch j
 holds rows j*U .. j*U+U-1 of every block of M*U rows (M mini-batches of U micro-batches), i.e.
@@ -107,10 +107,20 @@ def layout(n: int, rl) -> tuple[int, int, int]:
     return m, n // m // r, r
 
 
-def pack_batch(batch: dict, cfg) -> dict:
-    """The packed form (`engine.packing`) of a padded numpy batch, for `cfg`'s mini-batches."""
+def pack_batch(batch: dict, cfg, mesh) -> dict:
+    """The packed form (`engine.packing`) of a padded numpy batch, for `cfg`'s mini-batches
+    on `mesh`."""
     m, u, r = layout(len(batch["advantages_N"]), cfg.rl)
-    return packing.pack(batch, minibatches=m, micro_batches=u, micro_rows=r)
+    return packing.pack(batch, minibatches=m, micro_batches=u, micro_rows=r,
+                        shards=parallel.row_shards(mesh))
+
+
+def packed_split(sequences: int, n: int, rl, mesh) -> tuple[int, int, int] | None:
+    """(M, U', R') of a packed batch of `sequences` sequences holding `n` rows
+    (`packing.micro_split`), or None when it is not one."""
+    m, u, r = layout(n, rl)
+    split = packing.micro_split(sequences // m, r, parallel.row_shards(mesh), u)
+    return None if sequences % m or split is None else (m, *split)
 
 
 def check_batch(batch: dict, cfg, mesh) -> None:
@@ -143,9 +153,10 @@ def check_batch(batch: dict, cfg, mesh) -> None:
     parallel.check_rows(n, mesh)
     m, _, r = layout(n, cfg.rl)
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
-    if packed and shape[0] % (m * r):
+    if packed and packed_split(shape[0], n, cfg.rl, mesh) is None:
         raise ValueError(f"a packed batch of {shape[0]} sequences is not a whole number of "
-                         f"mini-batches of {m} x {r}-sequence micro-batches (packing.pack)")
+                         f"mini-batches ({m}) of micro-batches of at most {r} sequences "
+                         f"(packing.micro_split)")
 
 
 def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, rl, chunk, remat, rows):
@@ -181,8 +192,8 @@ def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
     r*M*U + j*U + i -> [j, i, r]), with old log-probs (recomputed from `params` when absent;
     with `skip_first`, not for mini-batch 0, which the first update takes fresh), and
     per-mini-batch answer-token and answer counts."""
-    m, _, r = layout(batch["advantages_N"].shape[0], rl)
-    k = batch["tokens_SxL"].shape[0] // (m * r)
+    m, k, r = packed_split(batch["tokens_SxL"].shape[0], batch["advantages_N"].shape[0], rl,
+                           mesh)
     split_sh = NamedSharding(mesh, P(None, None, parallel.ROWS))
 
     def split(x):
