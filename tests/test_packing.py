@@ -51,12 +51,12 @@ def max_diff(a, b):
 def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
     batch, cfg = make_batch(), make_cfg()
     packed = update.pack_batch(batch, cfg, one_device_mesh())
-    m, u, r = update.layout(16, cfg.rl)
     s = len(packed["tokens_SxL"])
-    assert s < 16 and update.packed_split(s, 16, cfg.rl, one_device_mesh())  # fewer sequences
+    split = update.packed_split(s, 16, cfg.rl, one_device_mesh())
+    assert s < 16 and split  # fewer sequences than rows, whole micro-batches
+    (m, k, _), u = split, update.layout(16, cfg.rl)[1]
     assert packing.padding_share(packed) < 1 - batch["mask_NxL"].mean() - 0.2
     # Every row's tokens appear once, contiguous, in a sequence of its own mini-batch.
-    k = s // m // update.packed_split(s, 16, cfg.rl, one_device_mesh())[2]
     for q in range(16):
         row = batch["tokens_NxL"][q][batch["mask_NxL"][q]]
         hits = []
