@@ -336,8 +336,12 @@ def test_buckets():
     assert [sampling.batch_bucket(n) for n in (1, 8, 9, 128, 129)] == [8, 8, 16, 128, 256]
 
 
-def test_chunked_prefill_of_long_prompts_gives_the_same_result(monkeypatch):
+@pytest.mark.parametrize("remat", [False, True])
+def test_chunked_prefill_of_long_prompts_gives_the_same_result(monkeypatch, remat):
+    """Prefill in chunks of prompts (a `lax.map` that merges the model) equals one whole
+    prefill, with and without model.remat (NNX's own remat failed to trace there)."""
     model = _tiny(seed=11)
+    model.remat = remat
     prompts = _prompts(97, [30, 5, 17, 9, 26], seed=14)
     kw = dict(max_new_tokens=12, num_samples=3, temperature=1.0, eos_token_id=5)
     whole = sampling.generate(model, prompts, **kw)

@@ -262,3 +262,35 @@ def test_reference_kl_and_epochs():
                                               rel=1e-5, abs=1e-7)
     assert float(m["lr"]) == pytest.approx(1e-3 * 1 / 4)  # the 2nd update of a 4-step warm-up
     assert int(m["tokens"]) == int(batch["loss_mask_NxL"].sum())
+
+
+# ---------------------------------------------------------------------------------- remat
+
+def _step_result(cfg, batch, mesh, remat):
+    model = models.Decoder(MODEL, rngs=nnx.Rngs(0), remat=remat)
+    graphdef, state = update.init_train_state(model, cfg, mesh)
+    state, metrics = update.make_train_step(graphdef, cfg, mesh)(
+        state, parallel.shard_batch(batch, mesh))
+    return jax.device_get((state.params, metrics))
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+@pytest.mark.parametrize("old_source", ["recompute", "sampler"])
+def test_remat_train_step_in_every_combination(old_source, minibatches):
+    """model.remat=true traces and changes nothing, whether the old log-probs are recomputed
+    inside the step (`rl.old_logprobs=recompute`: a `lax.map` over micro-batches that merges
+    the model, which broke NNX's own remat) or come with the batch (`sampler`), over 1 or 2
+    mini-batches and 1 or 2 epochs."""
+    mesh = one_device_mesh()
+    batch = make_batch()
+    for epochs in (1, 2):
+        cfg = make_cfg(minibatches=minibatches, micro_batch_size=4, epochs_per_batch=epochs,
+                       old_logprobs=old_source)
+        if old_source == "sampler":  # the sampling params' own log-probs, as the sampler gives
+            graphdef, state = init(cfg, mesh)
+            batch = dict(batch, old_logp_NxL=np.asarray(update.make_logprob_fn(graphdef, mesh)(
+                state.params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])))
+        (p0, m0), (p1, m1) = (_step_result(cfg, batch, mesh, remat) for remat in (False, True))
+        assert max_diff(p0, p1) < 1e-6, (epochs, max_diff(p0, p1))
+        np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-5, atol=1e-7)
+        assert m0["grad_norm"] > 0

@@ -213,6 +213,15 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), new_kv
 
 
+def _rematted(layer: Block, *args):
+    """`layer(*args)` under `jax.checkpoint` (its intermediates recomputed in the backward pass),
+    as a pure function of the layer's arrays: NNX's own `nnx.remat` writes the layer's state
+    back after the call, which fails when the layer was merged inside another trace (e.g. a
+    `lax.map` over micro-batches)."""
+    graphdef, state = nnx.split(layer)
+    return jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a))(state, *args)
+
+
 class Decoder(nnx.Module):
     """Causal LM: embeddings, `num_layers` blocks, final norm, LM head (tied or not)."""
 
@@ -281,7 +290,7 @@ class Decoder(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
-            call = nnx.remat(type(layer).__call__) if self.remat else type(layer).__call__
+            call = _rematted if self.remat else type(layer).__call__
             x, (k, v) = call(layer, x, positions_BxT, inv_freq, allowed_BxTxS, kv)
             new_k.append(k)
             new_v.append(v)
