@@ -231,6 +231,9 @@ class TrainConfig(_Section):
     resume_step: int | None = None  # Resume from this step (later ones are set aside).
     # JAX's persistent compilation cache (later runs load compiled programs); null = off.
     compile_cache: str | None = "~/.cache/sage_jax/xla"
+    # Compile the step's programs for this run's devices before the weights load, print their
+    # memory (`python -m sage_jax.aot`) and stop when one does not fit.
+    aot_check: bool = False
 
     def validate(self) -> None:
         _require(self.steps >= 0, "steps", self.steps, "must be >= 0")

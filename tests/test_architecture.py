@@ -16,7 +16,7 @@ LAYERS = {
     "sage_jax": 0, "sage_jax.config": 0, "sage_jax.checkpoint": 0, "sage_jax.metrics": 0, "sage_jax.report": 0,
     "sage_jax.parallel": 0, "sage_jax.distributed": 0, "sage_jax.rewards": 0, "sage_jax.cli": 0,
     "sage_jax.models": 0, "sage_jax.wandb_log": 0, "sage_jax.compile_cache": 0,
-    "sage_jax.host_memory": 0,
+    "sage_jax.host_memory": 0, "sage_jax.hardware": 0,
     "sage_jax.core": 1,
     "sage_jax.engine": 2,
     "sage_jax.tasks": 3,
@@ -24,7 +24,7 @@ LAYERS = {
     "sage_jax.run": 5,
     "sage_jax.jobs": 6,
     "sage_jax.train": 7, "sage_jax.evaluate": 7, "sage_jax.export": 7, "sage_jax.sft": 7,
-    "sage_jax.bench": 7,
+    "sage_jax.bench": 7, "sage_jax.aot": 7,
 }
 ENTRY = 7
 # Imports that may sit in a function body: optional or platform-specific, with the reason.

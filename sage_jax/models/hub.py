@@ -46,9 +46,10 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path, *, config_only: bool = False) -> Path:
     """The local folder of `path`: itself when it exists, else the snapshot of the hub id
-    (downloaded, or from the cache when offline). FileNotFoundError when neither works."""
+    (downloaded, or from the cache when offline; `config_only`: its config.json alone).
+    FileNotFoundError when neither works."""
     if Path(path).expanduser().exists() or not is_hub_id(path):
         return Path(path).expanduser()
     repo_id, _, revision = str(path).partition("@")
@@ -56,7 +57,7 @@ def resolve(path: str | Path) -> Path:
     try:
         folder = huggingface_hub.snapshot_download(
             repo_id, revision=revision or None, cache_dir=cache, local_files_only=_offline(),
-            allow_patterns=ALLOW_PATTERNS, token=os.environ.get("HF_TOKEN") or None)
+            allow_patterns=["config.json"] if config_only else ALLOW_PATTERNS, token=os.environ.get("HF_TOKEN") or None)
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if _offline() else "the hub could not be reached"
         raise FileNotFoundError(f"model {path}: not in the Hugging Face cache {cache} and {why}; "

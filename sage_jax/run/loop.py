@@ -19,7 +19,7 @@ import numpy as np
 
 from sage_jax import checkpoint, config as config_lib, distributed, metrics as metrics_lib
 from sage_jax import parallel, rewards, wandb_log
-from sage_jax.engine import update
+from sage_jax.engine import aot, update
 from sage_jax.eval import evaluate as eval_lib
 from sage_jax.rl import batching, rollout
 from sage_jax.rl.types import Rollout
@@ -37,6 +37,15 @@ def check_fits(cfg, mesh) -> None:
     _, _, micro = update.layout(rows, cfg.rl)
     parallel.check_rows(rows, mesh, "the step's rows (rl.prompts_per_step * rl.group_size)")
     parallel.check_rows(micro, mesh, "a micro-batch (rl.micro_batch_size)")
+
+
+def aot_check(cfg, mesh, say=None) -> None:
+    """train.aot_check: the step's programs compiled for `mesh`'s devices at the run's shapes
+    (no weights read); their table printed by `say`; `aot.DoesNotFit` when one does not fit."""
+    report = aot.check_run(cfg, build.model_dims(cfg), devices=list(mesh.devices.flat))
+    if say:
+        say(aot.format_report(report))
+    aot.check_fits(report)
 
 
 def step_metrics(ro: Rollout, max_new_tokens: int, eos_ids) -> dict[str, float]:
@@ -161,6 +170,8 @@ def _start(cfg, workdir: Path) -> _Run:
         config_lib.save_config(cfg, workdir / "config.yaml")
     mesh = parallel.make_mesh(cfg.mesh)
     check_fits(cfg, mesh)
+    if cfg.train.aot_check:
+        aot_check(cfg, mesh, say=print if is_main else None)
     if cfg.logging.wandb:
         wandb_log.require()  # before any heavy work
     task = build.load_task(cfg)

@@ -1,0 +1,178 @@
+"""Compile-only checks for hardware that is not here (`sage_jax.engine.aot`, `python -m
+sage_jax.aot`): a tiny decoder's train step and sampler programs compiled by the XLA TPU
+compiler for a v5e:2x2 slice (libtpu, `requirements-tpu.txt`), their memory within a budget, the
+parameters and KV caches sharded as the partition rules say (read back from the compiled
+programs), the FLOP count with loops multiplied out, and a run that does not fit failing with
+one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from sage_jax import config as config_lib, hardware, models, parallel
+from sage_jax.engine import aot, placement
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 1}
+RUN = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.max_new_tokens=96",
+       "data.max_prompt_tokens=40", "hint.max_new_tokens=16", "hint.max_request_tokens=64",
+       "rl.micro_batch_size=8", "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"]
+BUDGET = 64 * 1024 ** 2  # per device: the tiny run's every program, resident arrays included
+
+
+def tiny_cfg(*overrides):
+    return config_lib.load_config("paper_qwen2.5-7b", [*RUN, *overrides])
+
+
+@pytest.fixture(scope="module", params=[(4, 1), (2, 2)], ids=["fsdp4", "fsdp2-tensor2"])
+def report(request):
+    fsdp, tensor = request.param
+    cfg = tiny_cfg(f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}")
+    return cfg, aot.check_run(cfg, models.ModelConfig.from_hf_dict(TINY), "v5e:2x2",
+                              keep_compiled=True)
+
+
+def _spec(sharding) -> tuple:
+    """A sharding's (or PartitionSpec's) axes as a tuple without trailing whole dimensions."""
+    spec = list(getattr(sharding, "spec", sharding))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
+
+
+def test_every_program_compiles_for_tpu_within_budget(report):
+    cfg, r = report
+    names = [q.name for q in r.programs]
+    assert names[0] == "rollout/prefill" and names[-1] == "train_step"
+    for kind in ("rollout/start", "rollout/decode@32x32", "rollout/decode@32x96",
+                 "rollout/grow@96", "hint/prefill", "hint/decode@8x16"):
+        assert kind in names, names
+    assert r.chip.name == "v5e" and r.devices == 4
+    for q in r.programs:
+        assert q.error is None, q.error
+        assert 0 < q.peak and q.total <= BUDGET, (q.name, q.total)
+        assert q.compiled is not None
+    train = r.programs[-1]
+    assert train.argument >= r.state_bytes  # the state is an argument, donated
+    assert train.alias > 0
+    aot.check_fits(r, aot.HEADROOM)
+
+
+def test_compiled_shardings_follow_the_partition_rules(report):
+    """The train step's state and the decode segment's weights and KV cache are sharded in
+    the compiled programs as `parallel.PARTITION_RULES` and `placement` say."""
+    cfg, r = report
+    mesh = parallel.make_mesh(cfg.mesh, hardware.compile_devices(hardware.parse("v5e:2x2")))
+    train = next(q for q in r.programs if q.name == "train_step")
+    state_sh = train.compiled.input_shardings[0][0]
+    params = state_sh.params
+    seen = 0
+    for path, sh in jax.tree_util.tree_flatten_with_path(params)[0]:
+        leaf = parallel.path_str(path)
+        want = parallel.spec_for(leaf, _shape_of(leaf), mesh)
+        assert _spec(sh) == _spec(want), (leaf, sh.spec, want)
+        seen += any(a is not None for a in want)
+    assert seen >= 8  # weight matrices are split
+    decode = next(q for q in r.programs if q.name == "rollout/decode@32x96")
+    st = decode.compiled.input_shardings[0][1]
+    kv = "tensor" if mesh.shape["tensor"] > 1 else None
+    assert _spec(st.gen_k[0]) == (parallel.ROWS, kv)[: 2 if kv else 1]
+    assert _spec(st.prompt_v[1]) == (parallel.ROWS, kv)[: 2 if kv else 1]
+    # The sampler's weights are regathered over fsdp inside the program: its inputs are the
+    # trainer's (fsdp-split) params.
+    assert _spec(decode.compiled.input_shardings[0][0]["lm_head"]["kernel"].get_value()) == _spec(
+        parallel.spec_for("lm_head/kernel", (64, 512), mesh))
+    assert placement.SAMPLER_RULES  # the rules the program regathers to
+
+
+def _shape_of(leaf: str) -> tuple:
+    dims = models.ModelConfig.from_hf_dict(TINY)
+    d, f, v, hd = dims.hidden_size, dims.intermediate_size, dims.vocab_size, dims.head_dim
+    n, k = dims.num_heads * hd, dims.num_kv_heads * hd
+    table = {"embed_tokens": (v, d), "lm_head/kernel": (d, v), "q_proj/kernel": (d, n),
+             "k_proj/kernel": (d, k), "v_proj/kernel": (d, k), "o_proj/kernel": (n, d),
+             "gate_proj/kernel": (d, f), "up_proj/kernel": (d, f), "down_proj/kernel": (f, d),
+             "q_proj/bias": (n,), "k_proj/bias": (k,), "v_proj/bias": (k,)}
+    for key, shape in table.items():
+        if leaf.endswith(key):
+            return shape
+    return (d,) if leaf.endswith("weight") else ()
+
+
+def test_matmul_flops_multiply_loop_bodies():
+    def f(w, xs):
+        return jax.lax.scan(lambda c, x: (c + jnp.sum(x @ w), None), 0.0, xs)[0]
+
+    w, xs = jnp.ones((8, 16)), jnp.ones((5, 4, 8))
+    assert aot.matmul_flops(jax.make_jaxpr(f)(w, xs).jaxpr) == 5 * 2 * 4 * 16 * 8
+    grad = jax.make_jaxpr(jax.grad(lambda w: f(w, xs)))(w)
+    assert aot.matmul_flops(grad.jaxpr) == 2 * 5 * 2 * 4 * 16 * 8  # forward + d/dw
+
+
+def test_topology_names():
+    t = hardware.parse("v5p-16")
+    assert (t.chip.name, t.chips, t.tpu_name) == ("v5p", 8, "v5p:2x2x2")
+    assert hardware.parse("v5litepod-16").tpu_name == "v5e:4x4"
+    assert hardware.parse("8xh100").chip.platform == "cuda"
+    with pytest.raises(hardware.HardwareError, match="unknown topology 'v9-3'"):
+        hardware.parse("v9-3")
+
+
+def _aot(*args):
+    return subprocess.run([sys.executable, "-m", "sage_jax.aot", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_command_prints_the_table_and_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = _aot("--config", "paper_qwen2.5-7b", "--topology", "v5e:2x2", "--hf-config",
+               str(tmp_path / "config.json"), "--only", "train", "--json", *RUN)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rep["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert [p["name"] for p in rep["programs"]] == ["train_step"]
+    assert rep["programs"][0]["peak"] > 0 and rep["step_flops"] > 0
+
+
+def test_a_run_that_does_not_fit_fails_in_one_line(tmp_path):
+    """A 4k-token update of 512 rows in one micro-batch on 16 GiB v5e chips: XLA refuses it,
+    and the command says which program, how much, the HBM and the knob."""
+    big = dict(TINY, vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+               num_attention_heads=8, num_key_value_heads=8)
+    (tmp_path / "config.json").write_text(json.dumps(big))
+    out = _aot("--config", "paper_qwen2.5-7b", "--topology", "v5e:2x2", "--hf-config",
+               str(tmp_path / "config.json"), "--only", "train", "rl.prompts_per_step=64",
+               "rl.max_new_tokens=4096", "data.max_prompt_tokens=64", "model.remat=false",
+               "rl.micro_batch_size=null", "mesh.fsdp=-1", "mesh.tensor=1")
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train_step needs"), err
+    assert "16.0 GiB HBM" in err[0] and "rl.micro_batch_size" in err[0]
+
+
+def test_train_aot_check_stops_before_the_weights_load(tmp_path):
+    """train.aot_check=true compiles the step for the run's own devices (here the CPU) and
+    stops, in one line, when it does not fit -- before model.path's weights are read (the
+    folder holds a config.json and no weights)."""
+    big = dict(TINY, vocab_size=200000, hidden_size=512, num_attention_heads=8,
+               num_key_value_heads=8)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(big))
+    out = subprocess.run(
+        [sys.executable, "-m", "sage_jax.train", "--config", "paper_qwen2.5-7b", "--workdir",
+         str(tmp_path / "run"), f"model.path={tmp_path / 'model'}", "train.aot_check=true",
+         "data.train_files=[x.jsonl]", "rl.prompts_per_step=64", "rl.max_new_tokens=8192",
+         "model.dtype=float32", "model.compute_dtype=float32", "mesh.data=1", "mesh.tensor=1",
+         "rl.micro_batch_size=null"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and "needs" in err[0] and "GiB" in err[0], err
