@@ -74,8 +74,8 @@ def run_shapes(cfg, prompt_len: int | None = None) -> RunShapes:
     """`RunShapes` of `cfg`; `prompt_len`: the longest rendered prompt (default
     data.max_prompt_tokens), to which hinted prompts add hint.max_new_tokens."""
     p = prompt_len or cfg.data.max_prompt_tokens
-    hints = writes_hints(cfg) or (cfg.rl.method in ("sage", "sage_light"))
-    sample_len = p + (cfg.hint.max_new_tokens if hints else 0)
+    hinted = cfg.rl.method in ("sage", "sage_light")  # re-samples with hints in the prompt
+    sample_len = p + (cfg.hint.max_new_tokens if hinted else 0)
     return RunShapes(
         prompts=cfg.rl.prompts_per_step, group=cfg.rl.group_size, prompt_len=sample_len,
         max_new_tokens=cfg.rl.max_new_tokens,
