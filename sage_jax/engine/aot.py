@@ -40,7 +40,7 @@ from jax.extend import core as jcore
 
 from sage_jax import hardware, models, parallel
 from sage_jax.engine import decode, placement, sampling, update
-from sage_jax.engine.state import TrainState, master_params
+from sage_jax.engine.state import TrainState
 
 GIB = 1024 ** 3
 HEADROOM = 0.10  # the share of HBM a run should leave free (fragmentation, runtime buffers)
@@ -210,15 +210,7 @@ def abstract_model(model_cfg: models.ModelConfig, cfg) -> tuple:
 def abstract_state(params, cfg, mesh) -> TrainState:
     """The run's `TrainState` (params as the trainer keeps them, AdamW of `cfg.optim`), as
     ShapeDtypeStructs placed by the partition rules."""
-    tx = update.make_optimizer(cfg.optim, update.total_updates(cfg))
-
-    def init(params):
-        params = master_params(params, cfg.model.master_fp32)
-        return TrainState(params=params, opt_state=tx.init(params),
-                          step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(0),
-                          data_position=jnp.zeros((), jnp.int32))
-
-    state = jax.eval_shape(init, params)
+    state = jax.eval_shape(lambda p: update.new_state(p, cfg), params)
     return _with(state, parallel.tree_shardings(state, mesh))
 
 

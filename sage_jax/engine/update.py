@@ -82,17 +82,20 @@ def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
 def init_train_state(model: models.Decoder, cfg, mesh) -> tuple:
     """(graphdef, TrainState) for `model` at step 0, params and optimiser state placed on
     `mesh` by the partition rules (rng from train.seed)."""
-    tx = make_optimizer(cfg.optim, total_updates(cfg))
     graphdef, params = models.split(model)
-
-    def init(params):
-        params = master_params(params, cfg.model.master_fp32)
-        return TrainState(params=params, opt_state=tx.init(params),
-                          step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(cfg.train.seed),
-                          data_position=jnp.zeros((), jnp.int32))
-
+    init = functools.partial(new_state, cfg=cfg)
     shardings = parallel.tree_shardings(jax.eval_shape(init, params), mesh)
     return graphdef, jax.jit(init, out_shardings=shardings)(params)
+
+
+def new_state(params, cfg) -> TrainState:
+    """The `TrainState` at step 0 of the model parameters `params` (float32 masters with
+    model.master_fp32, AdamW of `cfg.optim`, rng from train.seed); pure, for jit or eval_shape."""
+    params = master_params(params, cfg.model.master_fp32)
+    return TrainState(params=params,
+                      opt_state=make_optimizer(cfg.optim, total_updates(cfg)).init(params),
+                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(cfg.train.seed),
+                      data_position=jnp.zeros((), jnp.int32))
 
 
 def layout(n: int, rl) -> tuple[int, int, int]:
