@@ -124,6 +124,10 @@ class RLConfig(_Section):
     minibatches: int = 2  # Optimiser updates per training step (the batch is split this way).
     # Sequences per gradient-accumulation pass; a smaller mini-batch is one pass; None = all.
     micro_batch_size: int | None = None
+    # Answer rows the sampler decodes at once: a call's prompts are sampled in chunks of
+    # rollout_micro_batch_size // answers-per-prompt (whole groups; the same answers, as each
+    # row's randomness is its prompt's and its own), so the KV cache is that many rows; None = all.
+    rollout_micro_batch_size: int | None = None
     epochs_per_batch: int = 1  # Passes over each step's rollouts.
     # The update packs whole rows end to end into its sequences (same loss and gradients,
     # fewer padding tokens; a micro-batch is then at most micro_batch_size packed sequences).
@@ -156,6 +160,10 @@ class RLConfig(_Section):
         _require(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
         _require(self.micro_batch_size is None or self.micro_batch_size >= 1,
                  "micro_batch_size", self.micro_batch_size, "must be >= 1, or null for all")
+        _require(self.rollout_micro_batch_size is None
+                 or self.rollout_micro_batch_size >= self.group_size, "rollout_micro_batch_size",
+                 self.rollout_micro_batch_size,
+                 "must be >= group_size (a group is sampled whole), or null for all")
         _require(self.epochs_per_batch >= 1, "epochs_per_batch", self.epochs_per_batch,
                  "must be >= 1")
         _require(self.collapse_std >= 0, "collapse_std", self.collapse_std, "must be >= 0")

@@ -43,7 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, help="rows per micro-batch, all devices "
                     "(rl.micro_batch_size)")
     ap.add_argument("--sample-prompts", type=int, help="prompts per sampling call (default: "
-                    "all the step's prompts at once, as the rollout does)")
+                    "rl.rollout_micro_batch_size // group size, or all the step's prompts)")
     ap.add_argument("--chunk", type=int, default=memory.update.DEFAULT_CHUNK,
                     help="log-prob chunk columns (0 = none)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -101,7 +101,8 @@ def run_estimate(args):
         micro_batch_rows=args.micro_batch or rl.micro_batch_size or prompts * group
         // rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
         master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=args.chunk or None,
-        sample_prompts=args.sample_prompts or prompts)
+        sample_prompts=args.sample_prompts or min(
+            prompts, (rl.rollout_micro_batch_size or prompts * group) // group))
     est = memory.estimate(
         mcfg, mesh_shape=settings["mesh"], rows_per_step=settings["rows_per_step"],
         micro_batch_rows=settings["micro_batch_rows"], prompt_len=settings["prompt_len"],

@@ -56,10 +56,11 @@ class RunShapes:
 
     prompts: int  # B
     group: int  # G
+    sample_prompts: int  # prompts per sampling call (rl.rollout_micro_batch_size // G, or B)
     prompt_len: int  # the longest prompt the rollout samples from (hints included)
     max_new_tokens: int  # T
     row_len: int  # L, the update's rows
-    hint_prompts: int  # hint requests per call (0: the run writes no hints)
+    hint_prompts: int  # hint requests per step (0: the run writes no hints)
     hint_request_len: int
     hint_tokens: int
 
@@ -76,8 +77,10 @@ def run_shapes(cfg, prompt_len: int | None = None) -> RunShapes:
     p = prompt_len or cfg.data.max_prompt_tokens
     hinted = cfg.rl.method in ("sage", "sage_light")  # re-samples with hints in the prompt
     sample_len = p + (cfg.hint.max_new_tokens if hinted else 0)
+    b, rows = cfg.rl.prompts_per_step, cfg.rl.rollout_micro_batch_size
     return RunShapes(
-        prompts=cfg.rl.prompts_per_step, group=cfg.rl.group_size, prompt_len=sample_len,
+        prompts=b, group=cfg.rl.group_size, prompt_len=sample_len,
+        sample_prompts=b if rows is None else min(b, rows // cfg.rl.group_size),
         max_new_tokens=cfg.rl.max_new_tokens,
         row_len=sampling.length_bucket(sample_len + cfg.rl.max_new_tokens),
         hint_prompts=cfg.rl.prompts_per_step if writes_hints(cfg) else 0,
@@ -292,9 +295,22 @@ def train_program(graphdef, state, cfg, mesh, shapes: RunShapes) -> Program:
 
 def sampler_programs(prefix: str, graphdef, params, model_cfg, cfg, mesh, *, prompts: int,
                      group: int, prompt_len: int, max_new_tokens: int, temperature: float,
-                     optimizer_bytes: int, all_buckets: bool = False) -> list[Program]:
+                     optimizer_bytes: int, all_buckets: bool = False, passes: int = 1
+                     ) -> list[Program]:
     """The programs of one `sampling.sample` call of `prompts` prompts of `prompt_len` tokens,
-    `group` answers each, up to `max_new_tokens`, on `mesh` (see the module docstring)."""
+    `group` answers each, up to `max_new_tokens`, on `mesh` (see the module docstring);
+    `passes` such calls a step (their calls counted that many times)."""
+    progs = _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, prompts=prompts,
+                              group=group, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                              temperature=temperature, optimizer_bytes=optimizer_bytes,
+                              all_buckets=all_buckets)
+    for q in progs:
+        q.calls *= passes
+    return progs
+
+
+def _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, *, prompts, group,
+                      prompt_len, max_new_tokens, temperature, optimizer_bytes, all_buckets):
     fine = sampling.fine_buckets(model_cfg.num_params())
     b, p = sampling.batch_bucket(prompts), sampling.prompt_bucket(prompt_len, fine=fine)
     st = sampling._Static(num_samples=group, max_new_tokens=max_new_tokens,
@@ -430,12 +446,15 @@ def check_run(cfg, model_cfg: models.ModelConfig, topology: str | None = None, *
     kw = dict(optimizer_bytes=opt_bytes, all_buckets=all_buckets)
     if "rollout" in only:
         add(sampler_programs("rollout", graphdef, state.params, model_cfg, cfg, mesh,
-                             prompts=shapes.prompts, group=shapes.group,
+                             prompts=shapes.sample_prompts, group=shapes.group,
+                             passes=-(-shapes.prompts // shapes.sample_prompts),
                              prompt_len=shapes.prompt_len, max_new_tokens=shapes.max_new_tokens,
                              temperature=cfg.rl.temperature, **kw))
     if "hint" in only and shapes.hint_prompts:
+        per_call = min(shapes.hint_prompts, cfg.rl.rollout_micro_batch_size or shapes.prompts)
         add(sampler_programs("hint", graphdef, state.params, model_cfg, cfg, mesh,
-                             prompts=shapes.hint_prompts, group=1,
+                             prompts=per_call, group=1,
+                             passes=-(-shapes.hint_prompts // per_call),
                              prompt_len=shapes.hint_request_len,
                              max_new_tokens=shapes.hint_tokens,
                              temperature=cfg.hint.temperature, **kw))
@@ -469,7 +488,8 @@ def format_report(r: Report) -> str:
         f"topology {r.topology}: {r.devices} x {r.chip.name} ({r.chip.hbm_bytes / GIB:.1f} GiB "
         f"HBM, {r.chip.peak_flops / 1e12:.0f} TFLOP/s bf16, {r.chip.hbm_bandwidth / 1e9:.0f} "
         f"GB/s; {r.chip.source}); mesh {r.mesh_shape}",
-        f"step: {s.prompts} prompts x {s.group} answers, prompts <= {s.prompt_len} tokens, "
+        f"step: {s.prompts} prompts x {s.group} answers ({s.sample_prompts} prompts a sampling "
+        f"call), prompts <= {s.prompt_len} tokens, "
         f"answers <= {s.max_new_tokens}, update rows {s.row_len} columns; hint requests "
         f"{s.hint_prompts} x {s.hint_request_len} tokens -> {s.hint_tokens}",
         f"per device: train state {r.state_bytes / GIB:.2f} GiB (optimiser "
@@ -500,9 +520,9 @@ def to_json(r: Report) -> dict:
 KNOBS = {
     "train_step": "lower rl.micro_batch_size (sequences per gradient-accumulation pass), keep "
                   "model.remat=true, or shard wider (mesh.fsdp)",
-    "prefill": "fewer prompts per step (rl.prompts_per_step) or shorter prompts "
+    "prefill": "fewer prompts a sampling call (rl.rollout_micro_batch_size) or shorter prompts "
                "(data.max_prompt_tokens), or shard wider (mesh.fsdp / mesh.tensor)",
-    "decode": "fewer rows (rl.prompts_per_step x rl.group_size) or a shorter budget "
+    "decode": "sample fewer rows at once (rl.rollout_micro_batch_size) or a shorter budget "
               "(rl.max_new_tokens), or shard wider (mesh.fsdp / mesh.tensor)",
 }
 

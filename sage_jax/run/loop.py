@@ -235,7 +235,7 @@ def _step(run: _Run, step: int) -> dict:
     batch_examples = [run.examples[i] for i in idx]
     sampler = batching.PolicySampler(run.graphdef, run.state.params, key=run.state.rng,
                                      step=step, eos_ids=task.eos_ids, pad_id=task.pad_id,
-                                     mesh=mesh)
+                                     mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size)
     timer = metrics_lib.Timer()
     ro = rollout.run(batch_examples, idx, task=task, sampler=_timed(sampler, timer, "sample"),
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
