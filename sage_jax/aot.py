@@ -12,7 +12,10 @@ matmul FLOPs and a roofline time, then the step's FLOPs, roofline time and MFU b
 the program, its GiB, the HBM and the knob to turn when a program does not fit with
 `--headroom` (default 10%) of HBM free.
 
-TPU needs the TPU compiler that matches jax: `pip install -r requirements-tpu.txt`.
+TPU needs the TPU compiler that matches jax: `pip install -r requirements-tpu.txt`; GPUs the
+CUDA plugin: `pip install -r requirements-gpu-aot.txt` (no GPU or CUDA libraries needed; the
+process runs jax on the CPU). On GPUs the HBM a program may use is XLA_PYTHON_CLIENT_MEM_FRACTION
+of it (jax's default 0.75), as on the real node.
 """
 
 from __future__ import annotations

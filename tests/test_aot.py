@@ -1,11 +1,14 @@
 """Compile-only checks for hardware that is not here (`sage_jax.engine.aot`, `python -m
 sage_jax.aot`): a tiny decoder's train step and sampler programs compiled by the XLA TPU
-compiler for a v5e:2x2 slice (libtpu, `requirements-tpu.txt`), their memory within a budget, the
+compiler for a v5e:2x2 slice (libtpu, `requirements-tpu.txt`) and by the XLA GPU compiler for
+4 A100s (`requirements-gpu-aot.txt`, in a venv of its own), their memory within a budget, the
 parameters and KV caches sharded as the partition rules say (read back from the compiled
 programs), the FLOP count with loops multiplied out, and a run that does not fit failing with
 one line."""
 
 import json
+import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +179,71 @@ def test_train_aot_check_stops_before_the_weights_load(tmp_path):
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
     err = out.stderr.strip().splitlines()
     assert len(err) == 1 and "needs" in err[0] and "GiB" in err[0], err
+
+
+@pytest.fixture(scope="session")
+def gpu_python() -> str:
+    """A Python with this environment's packages and the CUDA compiler plugin
+    (`requirements-gpu-aot.txt`), in a venv of its own (cached in $SAGE_JAX_TEST_CACHE): without
+    a GPU the plugin writes to stderr at every jax import, so the test environment stays without
+    it."""
+    root = Path(os.environ.get("SAGE_JAX_TEST_CACHE", "~/.cache/sage_jax/test")).expanduser()
+    venv = root / f"gpu-aot-jax{jax.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    python = venv / "bin" / "python"
+    done = venv / "installed"
+    if not done.is_file():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        Path(own, "_sage_jax_base.pth").write_text(
+            f"import site; site.addsitedir({site.getsitepackages()[0]!r})\n")
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "-r",
+                        str(ROOT / "requirements-gpu-aot.txt")], check=True, timeout=900)
+        done.write_text("ok\n")
+    return str(python)
+
+
+def _plugin_noise(line: str) -> bool:
+    """The lines the CUDA plugin writes at jax import on a machine without a GPU driver."""
+    return "cudart_stub.cc" in line or line.startswith("WARNING: All log messages before absl")
+
+
+def _aot_gpu(python, *args, **env):
+    environ = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user runs it
+    return subprocess.run([python, "-m", "sage_jax.aot", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**environ, **env})
+
+
+def test_every_program_compiles_for_gpus_within_budget(gpu_python, tmp_path):
+    """The tiny run, its rollout sampled 4 prompts a call, compiled for 4 A100s (fsdp 4) by the
+    XLA GPU compiler from the chip table's target config: every program fits the budget, the
+    rollout's programs run twice a step, and the HBM is what XLA's allocator may use."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = _aot_gpu(gpu_python, "--config", "paper_qwen2.5-7b", "--topology", "4xa100-80gb",
+                   "--hf-config", str(tmp_path / "config.json"), "--json", *RUN,
+                   "rl.rollout_micro_batch_size=16")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rep["chip"]["name"] == "a100-80gb" and rep["devices"] == 4
+    assert rep["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert rep["hbm_bytes"] == int(0.75 * 80 * 1024 ** 3)  # jax's default share of the HBM
+    assert rep["shapes"]["sample_prompts"] == 4
+    progs = {p["name"]: p for p in rep["programs"]}
+    assert {"rollout/prefill", "rollout/decode@32x96", "hint/prefill", "train_step"} <= set(progs)
+    assert progs["rollout/prefill"]["calls"] == 2 and progs["hint/prefill"]["calls"] == 1
+    for p in rep["programs"]:
+        assert p["error"] is None and 0 < p["peak"] and p["total"] <= BUDGET, p
+    assert progs["train_step"]["alias"] > 0 and progs["train_step"]["flops"] > 0
+
+
+def test_a_gpu_run_that_does_not_fit_fails_in_one_line(gpu_python, tmp_path):
+    """XLA's GPU compiler does not refuse a program too big for the HBM; the check does, with
+    the HBM that XLA_PYTHON_CLIENT_MEM_FRACTION leaves it."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = _aot_gpu(gpu_python, "--config", "paper_qwen2.5-7b", "--topology", "2xh100",
+                   "--hf-config", str(tmp_path / "config.json"), "--only", "rollout", *RUN,
+                   XLA_PYTHON_CLIENT_MEM_FRACTION="0.00001")
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
+    err = [line for line in out.stderr.strip().splitlines() if not _plugin_noise(line)]
+    assert len(err) == 1 and err[0].startswith("error: rollout/"), err
+    assert "h100's 0.0 GiB HBM" in err[0] and "rl.rollout_micro_batch_size" in err[0], err
