@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sage_jax import config as config_lib, models  # noqa: E402
 from sage_jax.models.presets import PRESETS  # noqa: E402
-from sage_jax.engine import memory, sampling  # noqa: E402
+from sage_jax.engine import aot, memory, sampling  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,6 +47,10 @@ def parse_args(argv=None):
     ap.add_argument("--chunk", type=int, default=memory.update.DEFAULT_CHUNK,
                     help="log-prob chunk columns (0 = none)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("--xla", metavar="TOPOLOGY",
+                    help="also compile the run for TOPOLOGY (e.g. v5p-16, 8xa100-80gb; needs "
+                         "requirements-tpu.txt / requirements-gpu-aot.txt) and print XLA's "
+                         "peaks beside the estimate's")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return ap.parse_args(argv)
 
@@ -152,16 +156,44 @@ def table(est, s, hbm_gib=None) -> str:
     return "\n".join(lines)
 
 
+def compiled_peaks(args, settings) -> dict:
+    """XLA's per-device peaks of the same run compiled for `args.xla` (`sage_jax.engine.aot`):
+    the train step's, and the largest rollout program's with the optimiser state resident."""
+    mesh = settings["mesh"]
+    cfg = config_lib.load_config(args.config, [*args.overrides, *(
+        f"mesh.{k}={v}" for k, v in mesh.items())])
+    mcfg, _ = model_config(args, cfg)
+    report = aot.check_run(cfg, mcfg, args.xla, prompt_len=settings["prompt_len"],
+                           only=("train", "rollout"))
+    train = [q.peak for q in report.programs if q.name == "train_step"]
+    rollout = [q.total for q in report.programs if q.name.startswith("rollout/")]
+    return {"update_peak": train[0], "sampling_peak": max(rollout)}
+
+
+def comparison(est, xla: dict, topology: str) -> str:
+    lines = [f"XLA, compiled for {topology}{'':<9}GiB  estimate / XLA"]
+    for key in ("update_peak", "sampling_peak"):
+        ours = getattr(est, key)
+        lines.append(f"  {key.replace('_', ' '):<32}{xla[key] / memory.GIB:10.2f}"
+                     f"  {ours / xla[key] - 1:+.1%}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     est, settings = run_estimate(args)
+    xla = compiled_peaks(args, settings) if args.xla else None
     if args.json:
         out = dict(settings, **est.as_dict())
         if args.hbm_gib:
             out["headroom"] = int(args.hbm_gib * memory.GIB - est.total)
+        if xla:
+            out["xla"] = xla
         print(json.dumps(out))
     else:
         print(table(est, settings, args.hbm_gib))
+        if xla:
+            print(comparison(est, xla, args.xla))
 
 
 if __name__ == "__main__":

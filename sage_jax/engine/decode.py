@@ -161,6 +161,10 @@ def _step(model, tok_R, pos_R, slot, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=
 
 # ---- the programs ----------------------------------------------------------------------------
 
+def _compute_dtype(graphdef, params):
+    return nnx.merge(graphdef, params).compute_dtype
+
+
 def prefill_rows(cfg, b: int, p: int) -> int:
     """Prompts per prefill chunk: the model's attention materialises [rows, N, P, P] float32
     scores, so long prompts are prefilled a power-of-two number of rows at a time."""
@@ -174,7 +178,8 @@ def prefill(graphdef, lay, params, prompt_BxP, mask_BxP):
     """Runs the B prompts once; returns (last-position logits [B, V], prompt keys [B, K, H, P]
     and values [B, K, P, H] per layer, in the model dtype, transposed for decode)."""
     TRACE_COUNTS["prefill"] += 1
-    model = nnx.merge(graphdef, placement.sampler_params(params, lay))
+    model = nnx.merge(graphdef, placement.sampler_params(params, lay, _compute_dtype(graphdef,
+                                                                                   params)))
     b, p = prompt_BxP.shape
     rows = prefill_rows(model.cfg, b, p)
 
@@ -233,7 +238,8 @@ def segment(graphdef, st, lay, seg: int, params, state: DecodeState, t0):
     (`pad_id` where a row had finished or the step did not run), log-probs [R, seg] (0 there),
     steps run)."""
     TRACE_COUNTS["decode"] += 1
-    model = nnx.merge(graphdef, placement.sampler_params(params, lay))
+    model = nnx.merge(graphdef, placement.sampler_params(params, lay, _compute_dtype(graphdef,
+                                                                                   params)))
     g, r, pad = state.group, state.rows, st.pad_id
     prompt_kv = tuple(zip(state.prompt_k, state.prompt_v))
 

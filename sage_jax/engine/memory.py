@@ -49,9 +49,10 @@ class Estimate:
       params, plus step counters).
     grads: the gradient accumulator of `update._accumulate` (the state params' dtype and
       sharding).
-    sampler_weights: the weights as the sampler's programs hold them: the state's params (masters
-      included) regathered over fsdp, still split over tensor (`placement.SAMPLER_RULES`); 0
-      with fsdp = 1, where the state's own shards are used.
+    sampler_weights: the weights as the sampler's programs hold them
+      (`placement.sampler_params`): the state's params, matrices cast to the compute dtype,
+      regathered over fsdp, still split over tensor (`placement.SAMPLER_RULES`); 0 with
+      fsdp = 1 and nothing to cast, where the state's own arrays are used.
     kv_cache: the sampler's prompt cache [P', P'', K/tp, H] and generated-token cache
       [P', K/tp, G, H, S] per layer (k and v), in the model dtype, P' = batch bucket of P prompts
       split over data*fsdp, P'' = prompt bucket, S = max_new_tokens - 1 rounded up to 8 (the
@@ -299,9 +300,12 @@ def estimate(model_cfg: models.ModelConfig, *, mesh_shape: dict, rows_per_step: 
         compute_dtype=compute_dtype,
         state_itemsize=jax.tree.leaves(state.params)[0].dtype.itemsize, remat=remat,
         logprob_chunk=logprob_chunk)
+    read = jax.eval_shape(lambda p: placement.sampler_params(p, None, compute_dtype),
+                          state.params)  # matrices cast to the compute dtype
+    cast = jax.tree.leaves(read) != jax.tree.leaves(state.params)
     gathered = 0
-    if mesh.shape["fsdp"] > 1:
-        gathered = tree_bytes(state.params, mesh, rules=placement.SAMPLER_RULES)
+    if mesh.shape["fsdp"] > 1 or cast:
+        gathered = tree_bytes(read, mesh, rules=placement.SAMPLER_RULES)
     return Estimate(params=params, master=state_params - params,
                     optimizer=tree_bytes(state.opt_state, mesh), grads=state_params,
                     sampler_weights=gathered, kv_cache=kv, sampler_work=work,

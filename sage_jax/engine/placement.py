@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sage_jax import parallel
@@ -62,8 +63,18 @@ def on(lay: Layout | None, tree, kv_dim: int | None = None):
     return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: sh, tree))
 
 
-def sampler_params(params, lay: Layout | None):
-    """The weights resharded on device to `SAMPLER_RULES` (a no-op without "fsdp")."""
+def sampler_params(params, lay: Layout | None, compute_dtype):
+    """The weights as the sampler reads them: matrices (the embedding included) in
+    `compute_dtype` when stored wider (the model casts them so at every use, so the outputs are
+    the same; the regathered copy and the bytes each decode step reads are halved), resharded
+    on device to `SAMPLER_RULES` (no reshard without "fsdp")."""
+    narrow = jnp.dtype(compute_dtype)
+
+    def cast(x):
+        wider = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > narrow.itemsize
+        return x.astype(narrow) if wider and x.ndim >= 2 else x
+
+    params = jax.tree.map(cast, params)
     if lay is None or lay.mesh.shape["fsdp"] == 1:
         return params
     return jax.lax.with_sharding_constraint(
