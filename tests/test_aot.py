@@ -8,6 +8,7 @@ one line."""
 
 import json
 import os
+import re
 import site
 import subprocess
 import sys
@@ -247,3 +248,19 @@ def test_a_gpu_run_that_does_not_fit_fails_in_one_line(gpu_python, tmp_path):
     err = [line for line in out.stderr.strip().splitlines() if not _plugin_noise(line)]
     assert len(err) == 1 and err[0].startswith("error: rollout/"), err
     assert "h100's 0.0 GiB HBM" in err[0] and "rl.rollout_micro_batch_size" in err[0], err
+
+
+def test_the_fsdp_train_step_gathers_weights_not_rows():
+    """On a 4-way fsdp mesh (CPU devices), the compiled train step's collectives move weight
+    shards and token ids, never a float array of every device's rows (activations, logits):
+    `models.decoder.keep_rows` pins the rows of matmul outputs to the devices that hold them."""
+    cfg = tiny_cfg("mesh.fsdp=4")
+    dims = models.ModelConfig.from_hf_dict(dict(TINY, tie_word_embeddings=True))
+    r = aot.check_run(cfg, dims, devices=jax.devices()[:4], only=("train",), keep_compiled=True)
+    text = r.programs[0].compiled.as_text()
+    rows, length = 8, r.shapes.row_len  # a micro-batch's sequences, their columns
+    moved = re.findall(r"= ((?:f32|bf16|s32)\[[\d,]*\])\S* (?:all-gather|all-reduce|all-to-all)\(",
+                       text)
+    assert any(s.startswith("f32[64,") for s in moved), moved  # weights are gathered
+    every_row = re.compile(rf"(f32|bf16)\[({rows * length}|{rows},{length})[,\]]")
+    assert not [s for s in moved if every_row.match(s)], moved

@@ -340,9 +340,13 @@ class TrainStep:
         """The jitted function for states shaped like `state` (for `.lower(...)` etc.)."""
         key = jax.tree.structure(state)
         if key not in self._jitted:
-            fn = functools.partial(train_step, graphdef=self.graphdef, cfg=self.cfg,
-                                   mesh=self.mesh, chunk=self.chunk,
-                                   remat_logits=self.remat_logits)
+            step = functools.partial(train_step, graphdef=self.graphdef, cfg=self.cfg,
+                                     mesh=self.mesh, chunk=self.chunk,
+                                     remat_logits=self.remat_logits)
+
+            def fn(state, batch):  # under the mesh: activations keep rows split (keep_rows)
+                with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                    return step(state, batch)
             sh = parallel.tree_shardings(state, self.mesh)
             self._jitted[key] = jax.jit(
                 fn, in_shardings=(sh, parallel.rows_sharding(self.mesh)),
@@ -374,10 +378,11 @@ def make_logprob_fn(graphdef, mesh, *, micro_batch_size: int | None = None,
         n = tokens_NxL.shape[0]
         r = micro_batch_size or n
         split = lambda x: jnp.moveaxis(x.reshape(r, n // r, *x.shape[1:]), 0, 1)  # noqa: E731
-        out = jax.lax.map(lambda a: grpo.token_logprobs(graphdef, params, a[0], a[1],
-                                                        need_NxL=a[2], chunk=chunk),
-                          (split(tokens_NxL), split(mask_NxL.astype(bool)),
-                           split(need_NxL.astype(bool))))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # see TrainStep.jitted
+            out = jax.lax.map(lambda a: grpo.token_logprobs(graphdef, params, a[0], a[1],
+                                                            need_NxL=a[2], chunk=chunk),
+                              (split(tokens_NxL), split(mask_NxL.astype(bool)),
+                               split(need_NxL.astype(bool))))
         return jnp.moveaxis(out, 0, 1).reshape(tokens_NxL.shape)
 
     return jax.jit(fn, in_shardings=(None, rows, rows, rows), out_shardings=rows)

@@ -19,8 +19,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from sage_jax.models.config import ModelConfig
+from sage_jax.parallel import ROWS
 
 _NEG = -1e30  # finite "minus infinity": a fully masked (padding) row stays finite
 # Causal self-attention (no cache) runs in query blocks that read only the keys up to their
@@ -85,6 +87,18 @@ def apply_rope(x_BxTxQxH: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Arr
     return x_BxTxQxH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
+def keep_rows(x: jax.Array) -> jax.Array:
+    """`x` with dimension 0 (rows, or rows x positions flattened) split over the mesh's row axes
+    when traced under `jax.sharding.use_abstract_mesh` (the train step does): the partitioner
+    then gathers a sharded weight to each device's rows instead of gathering every device's
+    rows to a weight shard. A no-op without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in ROWS if a in mesh.axis_names and mesh.shape[a] > 1)
+    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(axes, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+
+
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
 
@@ -101,7 +115,7 @@ class Linear(nnx.Module):
         # As a 2-D matmul: with 3-D operands XLA:CPU transposes activations for the weight
         # gradient, which made the update step ~20% slower.
         x2 = x.reshape(-1, x.shape[-1]).astype(self.cdtype)
-        y = jnp.dot(x2, self.kernel[...].astype(self.cdtype))
+        y = keep_rows(jnp.dot(x2, self.kernel[...].astype(self.cdtype)))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.cdtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -286,7 +300,7 @@ class Decoder(nnx.Module):
     def _layers(self, tokens_BxT, positions_BxT, allowed_BxTxS, cache: KVCache | None = None):
         """Embedding, blocks and final norm: (h [B, T, D], the blocks' keys and values)."""
         inv_freq = rope_inv_freq(self.cfg)
-        x = self.embed_tokens[...][tokens_BxT].astype(self.compute_dtype)
+        x = keep_rows(self.embed_tokens[...][tokens_BxT].astype(self.compute_dtype))
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
@@ -300,7 +314,8 @@ class Decoder(nnx.Module):
         """float32 logits [B, T, V] from final hidden states."""
         w = (self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...])
         h2 = h_BxTxD.reshape(-1, h_BxTxD.shape[-1]).astype(self.compute_dtype)  # 2-D: see Linear
-        out = jnp.dot(h2, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+        out = keep_rows(jnp.dot(h2, w.astype(self.compute_dtype),
+                                preferred_element_type=jnp.float32))
         return out.reshape(*h_BxTxD.shape[:-1], out.shape[-1])
 
     def __call__(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None,
