@@ -77,7 +77,7 @@ def mesh_shape(args, cfg) -> dict:
         if len(sizes) != 3 or min(sizes) < 1:
             raise SystemExit(f"--mesh {args.mesh!r}: expected three sizes data,fsdp,tensor")
     else:
-        sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+        sizes = list(cfg.mesh.sizes())
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if not args.devices or args.devices % known:

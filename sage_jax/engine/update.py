@@ -344,12 +344,12 @@ class TrainStep:
                                      mesh=self.mesh, chunk=self.chunk,
                                      remat_logits=self.remat_logits)
 
-            def fn(state, batch):  # under the mesh: activations keep rows split (keep_rows)
+            def train_step_on_mesh(state, batch):  # activations keep rows split (keep_rows)
                 with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
                     return step(state, batch)
             sh = parallel.tree_shardings(state, self.mesh)
             self._jitted[key] = jax.jit(
-                fn, in_shardings=(sh, parallel.rows_sharding(self.mesh)),
+                train_step_on_mesh, in_shardings=(sh, parallel.rows_sharding(self.mesh)),
                 out_shardings=(sh, parallel.replicated(self.mesh)), donate_argnums=(0,))
         return self._jitted[key]
 
