@@ -29,8 +29,8 @@ LAYERS = {
 ENTRY = 7
 # Imports that may sit in a function body: optional or platform-specific, with the reason.
 OPTIONAL = {
-    "matplotlib": "plots only (not a package dependency)",
-    "matplotlib.pyplot": "plots only (not a package dependency)",
+    "matplotlib": "loaded only when a summary plot is drawn (the Agg backend chosen first)",
+    "matplotlib.pyplot": "loaded only when a summary plot is drawn (after matplotlib.use)",
     "tensorboardX": "TensorBoard logging when installed",
     "wandb": "W&B logging with logging.wandb (an optional dependency)",
     "resource": "POSIX only",
