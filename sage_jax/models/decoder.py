@@ -228,12 +228,42 @@ class Block(nnx.Module):
 
 
 def _rematted(layer: Block, *args):
-    """`layer(*args)` under `jax.checkpoint` (its intermediates recomputed in the backward pass),
-    as a pure function of the layer's arrays: NNX's own `nnx.remat` writes the layer's state
-    back after the call, which fails when the layer was merged inside another trace (e.g. a
-    `lax.map` over micro-batches)."""
+    """`layer(*args)` with its intermediates recomputed in the backward pass, as a pure function
+    of the layer's arrays (NNX's own `nnx.remat` writes the layer's state back after the call,
+    which fails when the layer was merged inside another trace, e.g. a `lax.map`)."""
     graphdef, state = nnx.split(layer)
-    return jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a))(state, *args)
+    return recompute_in_backward(lambda st, *a: nnx.merge(graphdef, st)(*a))(state, *args)
+
+
+def recompute_in_backward(f):
+    """`f(params, *inputs)` that keeps only its arguments for the backward pass and recomputes
+    the rest there, once the output's cotangent has arrived. Plain `jax.checkpoint` leaves the
+    recomputation free to run early, and XLA:CPU runs it with the forward pass (it drops
+    optimization barriers, then merges the two copies), so the memory comes back. Here the
+    recomputation waits for the cotangent: an optimization barrier over both (GPU, TPU), and
+    each input shaped like the first output gets `+ 0 * its cotangent` (exact for a finite
+    cotangent, elementwise so shards stay put, and not folded by XLA: CPU)."""
+
+    @jax.custom_vjp
+    def call(params, *inputs):
+        return f(params, *inputs)
+
+    def fwd(params, *inputs):
+        return f(params, *inputs), (params, inputs)
+
+    def bwd(saved, g):
+        (params, inputs), g = jax.lax.optimization_barrier((saved, g))
+        g0 = jax.tree.leaves(g)[0]
+
+        def tie(x):
+            if x.shape != g0.shape or not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            return x + (0.0 * g0).astype(x.dtype)
+
+        return jax.vjp(f, params, *jax.tree.map(tie, inputs))[1](g)
+
+    call.defvjp(fwd, bwd)
+    return call
 
 
 class Decoder(nnx.Module):
