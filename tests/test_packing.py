@@ -1,5 +1,6 @@
 """The padding-free update (`engine.packing`): rows packed end to end give the padded batch's
-per-row log-probs, loss, gradients and training step, in every loss aggregation."""
+per-row log-probs, loss, gradients and training step, in every loss aggregation, with one batch
+shape per run and the micro-batches of padding skipped."""
 
 import dataclasses
 
@@ -9,7 +10,7 @@ import pytest
 from flax import nnx
 
 from sage_jax import models, parallel
-from sage_jax.config import Config, MeshConfig, OptimConfig, RLConfig, TrainConfig
+from sage_jax.config import Config, DataConfig, MeshConfig, OptimConfig, RLConfig, TrainConfig
 from sage_jax.core import grpo
 from sage_jax.engine import packing, update
 
@@ -36,11 +37,20 @@ def make_batch(n=16, seed=0):
 def make_cfg(**rl):
     rl = dict(dict(method="grpo", prompts_per_step=4, group_size=4, max_new_tokens=ANSWER,
                    minibatches=2, micro_batch_size=2), **rl)
-    return Config(rl=RLConfig(**rl), optim=OptimConfig(lr=1e-2), train=TrainConfig(steps=10))
+    return Config(rl=RLConfig(**rl), optim=OptimConfig(lr=1e-2), train=TrainConfig(steps=10),
+                  data=DataConfig(max_prompt_tokens=PROMPT))  # rows of at most 20: width 32
 
 
 def one_device_mesh():
     return parallel.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+
+
+def holding_rows(packed, cfg) -> tuple[int, int]:
+    """(sequences that hold rows, micro-batches that hold answer tokens) of a packed batch."""
+    m, u, r = update.layout(len(packed["advantages_N"]), cfg.rl)
+    seqs = packed["segments_SxL"].max(axis=1) > 0
+    micro = packed["loss_mask_SxL"].reshape(r, m * u, -1).any(axis=(0, 2))
+    return int(seqs.sum()), int(micro.sum())
 
 
 def max_diff(a, b):
@@ -50,12 +60,19 @@ def max_diff(a, b):
 
 def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
     batch, cfg = make_batch(), make_cfg()
-    packed = update.pack_batch(batch, cfg, one_device_mesh())
+    packed = update.pack_batch(batch, cfg)
     s = len(packed["tokens_SxL"])
-    split = update.packed_split(s, 16, cfg.rl, one_device_mesh())
-    assert s < 16 and split  # fewer sequences than rows, whole micro-batches
-    (m, k, _), u = split, update.layout(16, cfg.rl)[1]
-    assert packing.padding_share(packed) < 1 - batch["mask_NxL"].mean() - 0.2
+    m, u, r = update.layout(16, cfg.rl)
+    assert packed["tokens_SxL"].shape == (16, update.row_len(cfg)) == (16, 32)
+    used, micro = holding_rows(packed, cfg)
+    assert used < 16 and micro < m * u  # fewer sequences than rows: micro-batches left empty
+    seg = packed["segments_SxL"][packed["segments_SxL"].max(axis=1) > 0]
+    assert (seg == 0).mean() < 1 - batch["mask_NxL"].mean() - 0.2  # of the sequences used
+    # Within each mini-batch the sequences that hold rows fill micro-batches in order.
+    for j in range(m):
+        full = [packed["segments_SxL"][slot * m * u + j * u + i].max() > 0
+                for i in range(u) for slot in range(r)]
+        assert full == sorted(full, reverse=True), (j, full)
     # Every row's tokens appear once, contiguous, in a sequence of its own mini-batch.
     for q in range(16):
         row = batch["tokens_NxL"][q][batch["mask_NxL"][q]]
@@ -67,7 +84,7 @@ def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
                         packed["advantages_SxL"][t][seg == g] == batch["advantages_N"][q]).all():
                     hits.append(t)
         assert hits, q
-        assert {(t // k) % m for t in hits} == {(q // u) % m}  # its padded mini-batch
+        assert {(t // u) % m for t in hits} == {(q // u) % m}  # its padded mini-batch
 
 
 @pytest.mark.parametrize("block_min", [32, 3])  # one attention block per row, or several
@@ -78,7 +95,7 @@ def test_packed_rows_get_the_log_probs_each_row_gets_alone(block_min, monkeypatc
     model = models.Decoder(MODEL, rngs=nnx.Rngs(0))
     graphdef, params = models.split(model)
     batch = make_batch()
-    packed = update.pack_batch(batch, make_cfg(), one_device_mesh())
+    packed = update.pack_batch(batch, make_cfg())
     alone = np.asarray(grpo.token_logprobs(graphdef, params, batch["tokens_NxL"],
                                            batch["mask_NxL"], need_NxL=batch["loss_mask_NxL"]))
     together = np.asarray(grpo.token_logprobs(graphdef, params, packed["tokens_SxL"], None,
@@ -95,9 +112,12 @@ def test_packed_rows_get_the_log_probs_each_row_gets_alone(block_min, monkeypatc
 def test_packed_update_equals_padded_update(agg):
     """Loss, gradients and one whole two-update step, old log-probs recomputed or given."""
     cfg, mesh = make_cfg(loss_agg=agg), one_device_mesh()
+    # eps=1: an update is about lr * g, so the params compare the gradients (Adam's first
+    # step, g / |g|, would magnify the float noise of near-zero gradients).
+    cfg = dataclasses.replace(cfg, optim=OptimConfig(lr=1.0, eps=1.0))
     batch = make_batch(seed=1)
-    packed = update.pack_batch(batch, cfg, mesh)
-    assert len(packed["tokens_SxL"]) < 16
+    packed = update.pack_batch(batch, cfg)
+    assert holding_rows(packed, cfg)[1] < 8  # some micro-batches are skipped
     graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, mesh)
 
     grads = jax.jit(lambda p, b: update.minibatch_grads(p, b, graphdef=graphdef, cfg=cfg,
@@ -119,28 +139,29 @@ def test_packed_update_equals_padded_update(agg):
         np.testing.assert_allclose(met_pack[key], met_pad[key], rtol=1e-5, atol=1e-7)
 
 
-def test_micro_split_takes_the_fewest_large_enough_micro_batches():
-    assert packing.micro_split(20, 4) == (5, 4)
-    assert packing.micro_split(18, 4) == (6, 3)  # not rounded up to 20 sequences
-    assert packing.micro_split(18, 16) == (2, 9)
-    assert packing.micro_split(3, 16) == (1, 3)  # one micro-batch holds them all
-    assert packing.micro_split(17, 4) is None  # only 17 x 1: micro-batches under R/2
-    assert packing.micro_split(18, 4, micro_batches=5) is None
-    assert packing.micro_split(12, 8, shards=4) == (3, 4)
-    assert packing.micro_split(6, 8, shards=4) is None  # 6 does not split over 4 shards
-    assert packing.micro_split(0, 4) is None
+def test_every_packed_batch_of_a_run_has_one_shape():
+    """Rows of any lengths (up to the run's longest) pack to the same shape: one program."""
+    cfg = make_cfg()
+    shapes = {update.pack_batch(make_batch(seed=seed), cfg)["tokens_SxL"].shape
+              for seed in range(4)}
+    short = make_batch(seed=5)
+    short["mask_NxL"][:, PROMPT + 2:] = False  # every answer ends after 2 tokens
+    short["loss_mask_NxL"] &= short["mask_NxL"]
+    shapes.add(update.pack_batch(short, cfg)["tokens_SxL"].shape)
+    assert shapes == {(16, update.row_len(cfg))}
 
 
 @pytest.mark.parametrize("rows,seed,minibatches,micro,shape", [
-    (32, 3, 2, 4, (1, 1, 1)),  # micro-batches of 3 sequences (R = 4)
-    (32, 2, 1, 8, (1, 1, 1)),  # 2 x 7 sequences (R = 8)
+    (32, 3, 1, 8, (1, 1, 1)),  # 7 sequences of 8 in micro-batch 0, 3 skipped
+    (32, 4, 2, 8, (1, 1, 1)),  # 5 and 4 of 8
     (32, 3, 2, 8, (8, 1, 1)),  # sequences split over 8 devices
     (32, 3, 2, 8, (2, 2, 2)),
 ])
-def test_packed_step_with_fewer_sequences_per_micro_batch_equals_padded(
+def test_packed_step_with_skipped_micro_batches_equals_padded(
         rows, seed, minibatches, micro, shape):
-    """Packed micro-batches of R' < R sequences, on 1 device and on 8-device meshes, give the
-    padded update's step on 1 device."""
+    """Packed batches whose last micro-batches hold no rows (skipped) or only some (padding
+    sequences), on 1 device and on 8-device meshes, give the padded update's step on 1
+    device."""
     cfg = make_cfg(prompts_per_step=rows // 4, minibatches=minibatches, micro_batch_size=micro)
     # eps=1: an update is about lr * g, so the params compare the gradients (Adam's first
     # step, g / |g|, would magnify the float noise of near-zero gradients).
@@ -148,12 +169,12 @@ def test_packed_step_with_fewer_sequences_per_micro_batch_equals_padded(
     batch = make_batch(rows, seed)
     base = one_device_mesh()
     mesh = base if shape == (1, 1, 1) else parallel.make_mesh(MeshConfig(*shape))
-    packed = update.pack_batch(batch, cfg, mesh)
-    s = len(packed["tokens_SxL"])
-    m, k, r = update.packed_split(s, rows, cfg.rl, mesh)
-    assert s < rows and r % parallel.row_shards(mesh) == 0
-    if shape == (1, 1, 1):
-        assert r < micro  # the case this test is for: not a multiple of R
+    packed = update.pack_batch(batch, cfg)
+    used, computed = holding_rows(packed, cfg)
+    m, u, r = update.layout(rows, cfg.rl)
+    assert used < rows and computed < m * u  # the cases this test is for
+    seqs = (packed["segments_SxL"].max(axis=1) > 0).reshape(r, m * u).sum(axis=0)
+    assert ((seqs > 0) & (seqs < r)).any()  # and a micro-batch that is partly padding
     update.check_batch(packed, cfg, mesh)
 
     def step(batch, mesh):
@@ -168,14 +189,15 @@ def test_packed_step_with_fewer_sequences_per_micro_batch_equals_padded(
     assert max_diff(pad.params, pack.params) < 1e-5
     for key in ("loss", "grad_norm", "tokens", "entropy"):
         np.testing.assert_allclose(met_pack[key], met_pad[key], rtol=1e-5, atol=1e-7)
-    assert float(met_pack["batch/padding_share"]) < float(met_pad["batch/padding_share"]) - 0.2
+    # Of the slots computed (skipped micro-batches excluded; a partly used one counts whole).
+    assert float(met_pack["batch/padding_share"]) < float(met_pad["batch/padding_share"])
 
 
 def test_a_bad_packed_batch_is_named():
     cfg, mesh = make_cfg(), one_device_mesh()
-    packed = update.pack_batch(make_batch(), cfg, mesh)
+    packed = update.pack_batch(make_batch(), cfg)
     with pytest.raises(ValueError, match="segments_SxL"):
         update.check_batch({k: v for k, v in packed.items() if k != "segments_SxL"}, cfg, mesh)
-    with pytest.raises(ValueError, match="whole number of mini-batches"):
+    with pytest.raises(ValueError, match="as many sequences as rows"):
         update.check_batch({k: (v[:-1] if k.endswith("_SxL") else v)
                             for k, v in packed.items()}, cfg, mesh)

@@ -112,6 +112,7 @@ def run(args) -> None:
         rl=config_lib.RLConfig(method="grpo", prompts_per_step=rows // group, group_size=group,
                                max_new_tokens=t, minibatches=1, micro_batch_size=micro,
                                padding_free=PADDING_FREE),
+        data=config_lib.DataConfig(max_prompt_tokens=max(seq - t, 1)),  # packed width: seq
         mesh=config_lib.MeshConfig(data=-1))
     mesh = parallel.make_mesh(cfg.mesh)
     graphdef, state = update.init_train_state(model, cfg, mesh)
@@ -122,8 +123,12 @@ def run(args) -> None:
                  old_logp_NxL=np.asarray(old),
                  advantages_N=rng.standard_normal(rows).astype(np.float32))
     if cfg.rl.padding_free:
-        batch = update.pack_batch(batch, cfg, mesh)
-    slots = batch["loss_mask_SxL" if cfg.rl.padding_free else "loss_mask_NxL"].size
+        batch = update.pack_batch(batch, cfg)
+    slots = batch["loss_mask_NxL"].size
+    if cfg.rl.padding_free:  # the micro-batches the update computes (the others are skipped)
+        m, u, r = update.layout(rows, cfg.rl)
+        used = batch["loss_mask_SxL"].reshape(r, m * u, -1).any(axis=(0, 2))
+        slots = int(used.sum()) * r * batch["loss_mask_SxL"].shape[1]
     batch = parallel.shard_batch(batch, mesh)
     real_tokens = int(mask.sum())
     step = update.make_train_step(graphdef, cfg, mesh, chunk=CHUNK, remat_logits=REMAT)

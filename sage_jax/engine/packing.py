@@ -8,7 +8,7 @@ per mini-batch (first-fit, longest first), so mini-batch membership is that of t
 layout (see `update.py`), and the loss denominators, the per-row log-probs and hence the
 gradients are those of the padded batch.
 
-Packed batch (S = M * U' * R' sequences of L columns; N rows):
+Packed batch (S = M * U * R sequences of L columns; N rows):
   tokens_SxL      int32  the rows' tokens, end to end; 0 on padding
   segments_SxL    int32  0 on padding, else 1 + the row's index within its sequence
   loss_mask_SxL   bool   answer tokens (as `loss_mask_NxL`)
@@ -16,11 +16,13 @@ Packed batch (S = M * U' * R' sequences of L columns; N rows):
   answer_len_SxL  f32    the row's answer-token count on each of its tokens
   old_logp_SxL, ref_logp_SxL  optional, as the `_NxL` ones
   advantages_N, level_N, collapse_N, answer_len_N  per row, for the batch metrics
-Sequence s sits at mini-batch j, micro-batch i, slot r with s = r*M*U' + j*U' + i (the stripes
-of `update.py`). A mini-batch is (U', R') = `micro_split(S / M, R, shards)`: U' <= U micro-batches
-of R' <= R sequences (R = rl.micro_batch_size), so that the sequence count follows what the
-fullest mini-batch needs, not a multiple of R; a micro-batch never holds more tokens than the
-padded layout's. Each new (U', R') the batches need is one more update program to compile.
+
+The shape is the padded layout's, whatever the rows (S = N; L = `width`, the run's longest row
+when given), so a run compiles one update program. The sequences that hold rows fill a
+mini-batch's micro-batches in order and the rest are padding: the update skips a micro-batch
+without answer tokens, so the work follows the micro-batches that hold rows. Sequence s sits at
+mini-batch j, micro-batch i, slot r with s = r*M*U + j*U + i (the stripes of `update.py`);
+a mini-batch's sequence c sits at micro-batch c // R, slot c % R.
 """
 
 from __future__ import annotations
@@ -35,35 +37,15 @@ def is_packed(batch: dict) -> bool:
     return any(key.endswith("_SxL") for key in batch)
 
 
-def micro_split(sequences: int, micro_rows: int, shards: int = 1,
-                micro_batches: int | None = None) -> tuple[int, int] | None:
-    """(U', R'): a mini-batch of `sequences` packed sequences as U' micro-batches of R'
-    sequences, or None when it has no such split. R' <= `micro_rows` is a multiple of `shards`
-    (the mesh's row shards) and, unless one micro-batch holds them all, at least half of
-    `micro_rows` (micro-batches stay large); U' is the fewest that does it, at most
-    `micro_batches` when given."""
-    if sequences < 1:
-        return None
-    least = 1 if sequences <= micro_rows else -(-micro_rows // 2)
-    most = sequences if micro_batches is None else micro_batches
-    for k in range(-(-sequences // micro_rows), most + 1):
-        rows, rest = divmod(sequences, k)
-        if not rest and rows >= least and not rows % shards:
-            return k, rows
-    return None
-
-
 def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
-         shards: int = 1) -> dict:
+         width: int | None = None) -> dict:
     """The packed form (above) of a padded numpy batch of the layout in `update.py`, whose
-    mini-batches are `micro_batches` micro-batches of `micro_rows` rows (`update.layout`), for
-    a mesh with `shards` row shards.
-
-    Each mini-batch gets the same number of sequences U' * R', the fewest at or above what the
-    fullest one needs that `micro_split` splits; sequences keep the batch's L columns."""
+    mini-batches are `micro_batches` micro-batches of `micro_rows` rows (`update.layout`), in
+    sequences of `width` columns (at least the batch's own)."""
     m, u, r = minibatches, micro_batches, micro_rows
     mask = np.asarray(batch["mask_NxL"], bool)
-    n, width = mask.shape
+    n = mask.shape[0]
+    width = max(mask.shape[1], width or 0)
     loss = np.asarray(batch["loss_mask_NxL"], bool) & mask
     lengths = mask.sum(1)
     # Row q -> [j, i, s] with q = s*M*U + j*U + i: mini-batch j = (q // U) % M.
@@ -81,14 +63,7 @@ def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
             seqs[k].append(int(q))
             room[k] -= int(lengths[q])
         bins.append(seqs)
-    need = max(len(seqs) for seqs in bins)
-    # At most U * R (each row alone), which splits as the padded layout does: U x R.
-    split = next((split for n in range(need, u * r + 1)
-                  if (split := micro_split(n, r, shards, u)) is not None), None)
-    if split is None:
-        raise ValueError(f"micro-batches of {r} rows do not split over {shards} row shards")
-    u2, r2 = split
-    s = m * u2 * r2
+    s = n  # at most one sequence per row: the padded layout's U x R per mini-batch
     out = {"tokens_SxL": np.zeros((s, width), np.int32),
            "segments_SxL": np.zeros((s, width), np.int32),
            "loss_mask_SxL": np.zeros((s, width), bool),
@@ -102,8 +77,8 @@ def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
     answer_len = loss.sum(1)
     for j, seqs in enumerate(bins):
         for c, rows in enumerate(seqs):
-            i, slot = c % u2, c // u2  # sequence c of mini-batch j, dealt over micro-batches
-            dst = slot * m * u2 + j * u2 + i
+            i, slot = divmod(c, r)  # sequence c of mini-batch j: micro-batches fill in order
+            dst = slot * m * u + j * u + i
             at = 0
             for seg, q in enumerate(rows, start=1):
                 cols = np.flatnonzero(mask[q])
@@ -138,9 +113,3 @@ def as_packed(batch: dict, xp=np) -> dict:
             out[f"{k}_SxL"] = batch[f"{k}_NxL"]
     out.update({k: batch[k] for k in PER_ROW if k in batch})
     return out
-
-
-def padding_share(packed: dict) -> float:
-    """The share of the packed batch's token slots that are padding."""
-    seg = np.asarray(packed["segments_SxL"])
-    return float(1.0 - np.count_nonzero(seg) / seg.size)

@@ -13,9 +13,10 @@ Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
   collapse_N     int8   optional: the group's first-pass status (`core.sage.COLLAPSE_*` codes:
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
-The packed form of this batch (`engine.packing`: whole rows end to end in S sequences of L
-columns, per mini-batch, in micro-batches of at most R sequences) gives the same loss and
-gradients at the cost of the real tokens; `pack_batch` makes it, `train_step` takes either.
+The packed form of this batch (`engine.packing`: whole rows end to end in the same number of
+sequences, of the run's longest row, per mini-batch) gives the same loss and gradients at the
+cost of the micro-batches that hold rows (one without answer tokens is skipped) and with one
+program per run; `pack_batch` makes it, `train_step` takes either.
 
 One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates. Mini-batch j
 holds rows j*U .. j*U+U-1 of every block of M*U rows (M mini-batches of U micro-batches), i.e.
@@ -41,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sage_jax.core import grpo, sage
 from sage_jax import models, parallel
-from sage_jax.engine import packing
+from sage_jax.engine import packing, sampling
 from sage_jax.engine.state import TrainState, master_params
 
 REQUIRED = ("tokens_NxL", "mask_NxL", "loss_mask_NxL", "advantages_N")
@@ -110,20 +111,21 @@ def layout(n: int, rl) -> tuple[int, int, int]:
     return m, n // m // r, r
 
 
-def pack_batch(batch: dict, cfg, mesh) -> dict:
-    """The packed form (`engine.packing`) of a padded numpy batch, for `cfg`'s mini-batches
-    on `mesh`."""
+def row_len(cfg) -> int:
+    """Columns of the run's longest training row: its longest prompt (data.max_prompt_tokens,
+    plus hint.max_new_tokens for SAGE's hinted prompts) and answer, as `sampling.length_bucket`
+    pads it."""
+    hinted = cfg.rl.method in ("sage", "sage_light")
+    prompt = cfg.data.max_prompt_tokens + (cfg.hint.max_new_tokens if hinted else 0)
+    return sampling.length_bucket(prompt + cfg.rl.max_new_tokens)
+
+
+def pack_batch(batch: dict, cfg) -> dict:
+    """The packed form (`engine.packing`) of a padded numpy batch, for `cfg`'s mini-batches,
+    in sequences of the run's longest row (`row_len`): every step's batch has one shape."""
     m, u, r = layout(len(batch["advantages_N"]), cfg.rl)
     return packing.pack(batch, minibatches=m, micro_batches=u, micro_rows=r,
-                        shards=parallel.row_shards(mesh))
-
-
-def packed_split(sequences: int, n: int, rl, mesh) -> tuple[int, int, int] | None:
-    """(M, U', R') of a packed batch of `sequences` sequences holding `n` rows
-    (`packing.micro_split`), or None when it is not one."""
-    m, u, r = layout(n, rl)
-    split = packing.micro_split(sequences // m, r, parallel.row_shards(mesh), u)
-    return None if sequences % m or split is None else (m, *split)
+                        width=row_len(cfg))
 
 
 def check_batch(batch: dict, cfg, mesh) -> None:
@@ -156,10 +158,10 @@ def check_batch(batch: dict, cfg, mesh) -> None:
     parallel.check_rows(n, mesh)
     m, _, r = layout(n, cfg.rl)
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
-    if packed and packed_split(shape[0], n, cfg.rl, mesh) is None:
-        raise ValueError(f"a packed batch of {shape[0]} sequences is not a whole number of "
-                         f"mini-batches ({m}) of micro-batches of at most {r} sequences "
-                         f"(packing.micro_split)")
+    if packed and shape[0] != n:
+        raise ValueError(f"a packed batch has as many sequences as rows ({n}: {m} "
+                         f"mini-batches of {n // m // r} micro-batches of {r}), got {shape[0]} "
+                         f"(engine.packing)")
 
 
 def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, rl, chunk, remat, rows):
@@ -195,8 +197,7 @@ def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
     r*M*U + j*U + i -> [j, i, r]), with old log-probs (recomputed from `params` when absent;
     with `skip_first`, not for mini-batch 0, which the first update takes fresh), and
     per-mini-batch answer-token and answer counts."""
-    m, k, r = packed_split(batch["tokens_SxL"].shape[0], batch["advantages_N"].shape[0], rl,
-                           mesh)
+    m, k, r = layout(batch["advantages_N"].shape[0], rl)
     split_sh = NamedSharding(mesh, P(None, None, parallel.ROWS))
 
     def split(x):
@@ -213,7 +214,11 @@ def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
         first = k if skip_first else 0
         flat = {key: data[key].reshape(m * k, *data[key].shape[2:])[first:]
                 for key in ("tokens_SxL", "segments_SxL", "loss_mask_SxL")}
-        logp = jax.lax.map(old, flat) if first < m * k else None
+        def old_or_skip(mb):  # a micro-batch of padding (packed batches) is skipped
+            return jax.lax.cond(jnp.any(mb["loss_mask_SxL"]), old,
+                                lambda mb: jnp.zeros(mb["loss_mask_SxL"].shape, jnp.float32),
+                                mb)
+        logp = jax.lax.map(old_or_skip, flat) if first < m * k else None
         if first:
             zeros = jnp.zeros((first, *data["loss_mask_SxL"].shape[2:]), jnp.float32)
             logp = zeros if logp is None else jnp.concatenate([zeros, logp])
@@ -240,13 +245,18 @@ def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     param_sh = parallel.tree_shardings(params, mesh)
 
-    def micro(acc, mb):
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mini), denoms, fresh)
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
+
+    def grads(mb):
         (_, metrics), g = grad_fn(params, mb, denoms, fresh)
+        return g, metrics
+
+    def micro(acc, mb):  # a micro-batch of padding (packed batches) is skipped
+        g, metrics = jax.lax.cond(jnp.any(mb["loss_mask_SxL"]), grads, lambda _: zero, mb)
         g, metrics = jax.tree.map(jnp.add, acc, (g, metrics))
         return (jax.lax.with_sharding_constraint(g, param_sh), metrics), None
 
-    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mini), denoms, fresh)
-    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
     return jax.lax.scan(micro, zero, mini)[0]
 
 
@@ -299,7 +309,11 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
         update, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), order)
     metrics = {key: (v[-1] if key == "lr" else jnp.mean(v)) for key, v in metrics.items()}
     metrics["tokens"] = jnp.sum(tokens_M)
-    metrics["batch/padding_share"] = jnp.mean(batch["segments_SxL"] == 0)
+    # Of the token slots the update computes: the micro-batches that hold answer tokens.
+    computed = jnp.any(data["loss_mask_SxL"], axis=(2, 3), keepdims=True)
+    metrics["batch/padding_share"] = 1.0 - (jnp.sum(computed & (data["segments_SxL"] > 0))
+                                            / jnp.maximum(jnp.sum(jnp.broadcast_to(
+                                                computed, data["segments_SxL"].shape)), 1))
     metrics.update(_sage_metrics(batch))
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 

@@ -246,7 +246,7 @@ def _step(run: _Run, step: int) -> dict:
                                  and cfg.rl.loss_context == "hinted")
     with timer("update"):
         if cfg.rl.padding_free:
-            batch = update.pack_batch(batch, cfg, mesh)
+            batch = update.pack_batch(batch, cfg)
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
