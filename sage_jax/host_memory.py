@@ -34,3 +34,14 @@ def tune_malloc() -> bool:
     if "MALLOC_ARENA_MAX" not in os.environ:
         done &= mallopt(_M_ARENA_MAX, ARENA_MAX) == 1
     return bool(done)
+
+
+def trim() -> bool:
+    """Hands the free memory in malloc's heaps back to the system (glibc `malloc_trim`): what a
+    step's small freed buffers and a compile's garbage leave behind (measured on SmolLM2-135M:
+    1.5 GB after each update). The training loop calls it between phases; False off glibc."""
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
+    except (OSError, AttributeError, TypeError):
+        return False
+

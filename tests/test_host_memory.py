@@ -1,4 +1,5 @@
-"""`host_memory.tune_malloc`: freed buffers go back to the system, so RSS follows live memory."""
+"""`host_memory.tune_malloc` and `trim`: freed buffers go back to the system, so RSS follows live
+memory."""
 
 import os
 import subprocess
@@ -49,3 +50,29 @@ def test_tuned_malloc_returns_freed_buffers_to_the_system():
 def test_tune_malloc_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(host_memory.ENV, "0")
     assert host_memory.tune_malloc() is False
+
+
+TRIM = """
+import numpy as np
+from sage_jax import host_memory
+def rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) // 1024
+blocks = [np.ones(8 << 10) for _ in range(6000)]  # 6000 x 64 KB from malloc's heap
+pin = blocks[-1]  # the newest block stays alive, so the heap's top cannot shrink
+del blocks
+before = rss_mb()
+assert host_memory.trim()
+print(before, rss_mb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_trim_returns_the_heap_that_freed_small_buffers_left():
+    got = subprocess.run([sys.executable, "-c", TRIM], capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stderr
+    before, after = map(int, got.stdout.split())
+    assert before - after > 250, (before, after)  # most of the 375 MB freed left the process
+

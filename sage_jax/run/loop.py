@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from sage_jax import checkpoint, config as config_lib, distributed, metrics as metrics_lib
-from sage_jax import parallel, rewards, wandb_log
+from sage_jax import host_memory, parallel, rewards, wandb_log
 from sage_jax.engine import aot, update
 from sage_jax.eval import evaluate as eval_lib
 from sage_jax.rl import batching, rollout
@@ -240,6 +240,7 @@ def _step(run: _Run, step: int) -> dict:
     ro = rollout.run(batch_examples, idx, task=task, sampler=_timed(sampler, timer, "sample"),
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)
+    host_memory.trim()  # what sampling freed, before the update's peak
     batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
                                  adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
                                  sampler_logprobs=cfg.rl.old_logprobs == "sampler"
@@ -251,6 +252,7 @@ def _step(run: _Run, step: int) -> dict:
         state, upd = run.step_fn(run.state, parallel.shard_batch(
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
+    host_memory.trim()
     run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
     _check_finite(upd, step, run.last_saved, run.workdir)
     elapsed = time.perf_counter() - t_step

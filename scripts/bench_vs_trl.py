@@ -1,0 +1,216 @@
+"""One GRPO step of `smollm2_gsm8k`, this library beside TRL's `GRPOTrainer`, in one sitting.
+
+    python scripts/bench_vs_trl.py --model ~/models/smollm2-135m-instruct \
+        --data ~/data/gsm8k_demo.jsonl --trl-python /path/to/trl-venv/bin/python
+
+Both runs train SmolLM2-135M-Instruct with GRPO on the same prompts in the same order (the ones
+this library's run drew, replayed to TRL unshuffled), 4 prompts x 4 answers a step, at most 384
+new tokens at temperature 1, float32, lr 1e-6, no KL term, the paper's system prompt, reward 1
+when the last `\\boxed{}` equals the answer. Activation checkpointing on both sides (TRL's
+default; this library's `model.remat=true`, the config's own). Each run is a child process; its
+peak RSS is the kernel's (`wait4` ru_maxrss), its step times its own (our `metrics.jsonl`
+`time/step_s`; a `TrainerCallback` for TRL). The first step compiles (ours) or warms up (TRL),
+so the medians are over the other steps; the first is reported beside them.
+
+TRL is optional and runs from its own venv (`pip install torch==2.13.0 trl==1.16.0`): without
+--trl-python only this library is measured. The machine should be otherwise idle: the script
+reads /proc/stat around each run and marks a run `contended` when other processes used more
+than --other-cores-limit of a core on average; discard contended lines.
+
+The TRL side runs this same file with `--worker trl` under the TRL venv's python, and needs
+only the standard library, torch, transformers, datasets and trl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # tasks.math
+GROUP, PROMPTS, MAX_NEW, LR = 4, 4, 384, 1e-6  # smollm2_gsm8k's rl.* and optim.lr
+
+
+# ---- measuring a child process -----------------------------------------------------------------
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
+def run_child(cmd: list[str], log: Path, env=None) -> dict:
+    """Runs `cmd` to the end (output to `log`); its wall time, peak RSS and the cores that other
+    processes used meanwhile (whole-machine busy time minus the child's own CPU time)."""
+    busy0, _ = _cpu_jiffies()
+    t0 = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    wall = time.time() - t0
+    busy1, _ = _cpu_jiffies()
+    hz = os.sysconf("SC_CLK_TCK")
+    own = usage.ru_utime + usage.ru_stime
+    other = max(0.0, (busy1 - busy0) / hz - own) / wall
+    code = proc.returncode
+    if code != 0:
+        tail = log.read_text()[-2000:]
+        raise SystemExit(f"error: {' '.join(cmd[:4])} ... exited with {code}; its log "
+                         f"{log} ends:\n{tail}")
+    return {"wall_s": round(wall, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "other_cores": round(other, 3)}
+
+
+def summary(step_s: list[float]) -> dict:
+    rest = step_s[1:] or step_s
+    return {"steps": len(step_s), "first_step_s": round(step_s[0], 1),
+            "median_step_s": round(statistics.median(rest), 1),
+            "step_s": [round(s, 1) for s in step_s]}
+
+
+# ---- the two runs ------------------------------------------------------------------------------
+
+def run_ours(args, work: Path) -> tuple[dict, list[list[int]]]:
+    """This library's trainer for --steps GRPO steps; (result, the prompt ids of each step)."""
+    run_dir = work / "sage_jax"
+    cmd = [sys.executable, "-m", "sage_jax.train", "--config", "smollm2_gsm8k", "--workdir",
+           str(run_dir), f"model.path={args.model}", f"data.train_files=[{args.data}]",
+           "rl.method=grpo", f"train.steps={args.steps}", "checkpoint.every=0",
+           "train.samples_every=0", *args.override]
+    res = run_child(cmd, work / "sage_jax.log")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    groups = [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines()]
+    res.update(summary([r["time/step_s"] for r in rows]))
+    res["update_s"] = [round(r["time/update_s"], 1) for r in rows]
+    res["sample_s"] = [round(r["time/sample_s"], 1) for r in rows]
+    res["tokens_sampled"] = [int(r["tokens/sampled"]) for r in rows]
+    return res, [g["id"] for g in groups]
+
+
+def run_trl(args, work: Path, prompt_ids: list[list[int]]) -> dict:
+    order = work / "trl_prompts.json"
+    order.write_text(json.dumps([i for step in prompt_ids for i in step]))
+    cmd = [args.trl_python, str(Path(__file__).resolve()), "--worker", "trl", "--model",
+           args.model, "--data", args.data, "--steps", str(args.steps), "--order", str(order),
+           "--out", str(work / "trl_steps.json")]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    res = run_child(cmd, work / "trl.log", env=env)
+    steps = json.loads((work / "trl_steps.json").read_text())
+    res.update(summary(steps["step_s"]))
+    res["tokens_sampled"] = steps["tokens_sampled"]
+    res["versions"] = steps["versions"]
+    return res
+
+
+# ---- the TRL worker (runs under the TRL venv) --------------------------------------------------
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (braces balanced), as `rewards.extract_boxed`."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def trl_worker(args) -> None:
+    # Imported here: this branch runs under the TRL venv, which has no jax or sage_jax.
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
+    order = json.loads(Path(args.order).read_text())
+    ds = datasets.Dataset.from_list([
+        {"prompt": [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": rows[i]["problem"]}],
+         "answer": str(rows[i]["answer"])} for i in order])
+
+    def boxed_reward(completions, answer, **_):
+        return [float(last_boxed(c[-1]["content"]) == a.strip())
+                for c, a in zip(completions, answer)]
+
+    cfg = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, max_steps=args.steps,
+        per_device_train_batch_size=GROUP * PROMPTS, num_generations=GROUP,
+        max_completion_length=MAX_NEW, temperature=1.0, learning_rate=LR, beta=0.0,
+        shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to=[], seed=0)
+    times, tokens = [], []
+
+    class StepTimes(transformers.TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(round(logs["completions/mean_length"] * GROUP * PROMPTS))
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    trainer = trl.GRPOTrainer(model=model, processing_class=tok, reward_funcs=boxed_reward,
+                              args=cfg, train_dataset=ds, callbacks=[StepTimes()])
+    trainer.train()
+    Path(args.out).write_text(json.dumps({
+        "step_s": times, "tokens_sampled": tokens,
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
+                     "torch": torch.__version__}}))
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="SmolLM2-135M-Instruct as a HF folder")
+    ap.add_argument("--data", required=True, help="GSM8K-style jsonl (make_gsm8k_demo.py)")
+    ap.add_argument("--steps", type=int, default=4, help="GRPO steps per run")
+    ap.add_argument("--trl-python", default=None, help="a python with trl installed")
+    ap.add_argument("--other-cores-limit", type=float, default=0.15)
+    ap.add_argument("--out", default=None, help="also write the JSON result here")
+    ap.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--order", help=argparse.SUPPRESS)
+    ap.add_argument("override", nargs="*", help="extra key=value overrides for our trainer")
+    args = ap.parse_args(argv)
+    if args.worker == "trl":
+        return trl_worker(args)
+    with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
+        work = Path(tmp)
+        ours, prompt_ids = run_ours(args, work)
+        result = {"workload": "smollm2_gsm8k grpo", "sage_jax": ours}
+        print(json.dumps({"sage_jax": ours}), flush=True)
+        if args.trl_python:
+            result["trl"] = run_trl(args, work, prompt_ids)
+            print(json.dumps({"trl": result["trl"]}), flush=True)
+            t = result["trl"]
+            result["ratio"] = {
+                "median_step": round(ours["median_step_s"] / t["median_step_s"], 3),
+                "peak_rss": round(ours["peak_rss_mib"] / t["peak_rss_mib"], 3)}
+        else:
+            result["trl"] = "skipped: no --trl-python"
+        for side in ("sage_jax", "trl"):
+            if isinstance(result[side], dict):
+                result[side]["contended"] = result[side]["other_cores"] > args.other_cores_limit
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
