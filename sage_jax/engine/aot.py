@@ -5,8 +5,9 @@ are read: parameters and the train state are abstract (`jax.eval_shape`).
 
 Worst-case shapes of one step (`run_shapes`): B = rl.prompts_per_step prompts of P tokens
 (data.max_prompt_tokens; with hints written into them, P + hint.max_new_tokens), G answers of
-up to T = rl.max_new_tokens tokens; the update's rows are a `sampling.length_bucket` of P + T,
-every row alone in its packed sequence (no packing gain). The programs (`PROGRAMS`):
+up to T = rl.max_new_tokens tokens; the update's batch is the trainer's own (`update.row_len`:
+the packed sequences of every step have that shape), every micro-batch computed. The programs
+(`PROGRAMS`):
 
   train_step           the jitted, sharded update (`update.TrainStep`), state donated
   rollout/prefill      the B prompts' prefill (chunked when long, `decode.prefill_rows`)
@@ -72,17 +73,15 @@ def writes_hints(cfg) -> bool:
 
 
 def run_shapes(cfg, prompt_len: int | None = None) -> RunShapes:
-    """`RunShapes` of `cfg`; `prompt_len`: the longest rendered prompt (default
-    data.max_prompt_tokens), to which hinted prompts add hint.max_new_tokens."""
-    p = prompt_len or cfg.data.max_prompt_tokens
-    hinted = cfg.rl.method in ("sage", "sage_light")  # re-samples with hints in the prompt
-    sample_len = p + (cfg.hint.max_new_tokens if hinted else 0)
+    """`RunShapes` of `cfg`; `prompt_len`: the longest rendered prompt the rollout samples
+    (default data.max_prompt_tokens), to which hinted prompts add hint.max_new_tokens. The
+    update's rows are the trainer's packed width (`update.row_len`)."""
     b, rows = cfg.rl.prompts_per_step, cfg.rl.rollout_micro_batch_size
     return RunShapes(
-        prompts=b, group=cfg.rl.group_size, prompt_len=sample_len,
+        prompts=b, group=cfg.rl.group_size, prompt_len=update.sample_prompt_len(cfg, prompt_len),
         sample_prompts=b if rows is None else min(b, rows // cfg.rl.group_size),
         max_new_tokens=cfg.rl.max_new_tokens,
-        row_len=sampling.length_bucket(sample_len + cfg.rl.max_new_tokens),
+        row_len=update.row_len(cfg),  # the trainer's packed width, whatever the prompts
         hint_prompts=cfg.rl.prompts_per_step if writes_hints(cfg) else 0,
         hint_request_len=cfg.hint.max_request_tokens, hint_tokens=cfg.hint.max_new_tokens)
 

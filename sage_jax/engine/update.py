@@ -111,13 +111,17 @@ def layout(n: int, rl) -> tuple[int, int, int]:
     return m, n // m // r, r
 
 
-def row_len(cfg) -> int:
-    """Columns of the run's longest training row: its longest prompt (data.max_prompt_tokens,
-    plus hint.max_new_tokens for SAGE's hinted prompts) and answer, as `sampling.length_bucket`
-    pads it."""
+def sample_prompt_len(cfg, prompt_len: int | None = None) -> int:
+    """The longest prompt the rollout samples from: `prompt_len` (default
+    data.max_prompt_tokens), plus hint.max_new_tokens for SAGE's hinted prompts."""
     hinted = cfg.rl.method in ("sage", "sage_light")
-    prompt = cfg.data.max_prompt_tokens + (cfg.hint.max_new_tokens if hinted else 0)
-    return sampling.length_bucket(prompt + cfg.rl.max_new_tokens)
+    return (prompt_len or cfg.data.max_prompt_tokens) + (cfg.hint.max_new_tokens if hinted else 0)
+
+
+def row_len(cfg) -> int:
+    """Columns of the run's longest training row (`sample_prompt_len` and the longest answer),
+    as `sampling.length_bucket` pads it: the width of every packed batch."""
+    return sampling.length_bucket(sample_prompt_len(cfg) + cfg.rl.max_new_tokens)
 
 
 def pack_batch(batch: dict, cfg) -> dict:
