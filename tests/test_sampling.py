@@ -360,3 +360,22 @@ def test_length_bucket_pads_under_an_eighth():
     for n in range(1, 5000, 7):
         b = sampling.length_bucket(n)
         assert n <= b and (b - n) < max(16, n / 8)
+
+
+def test_drop_programs_bounds_the_compiled_programs_and_changes_no_result(monkeypatch):
+    """Past the limit every compiled sampler program is dropped (the trainer calls this between
+    steps); programs compile again when needed, and the samples are the same."""
+    model = _tiny(seed=11)
+    kw = dict(max_new_tokens=5, num_samples=2, temperature=0.8, eos_token_id=4)
+    prompts = [_prompts(97, [n], seed=n) for n in (3, 20, 40)]  # three prompt buckets
+    first = [sampling.generate(model, p, **kw) for p in prompts]
+    held = sampling.compiled_programs()
+    assert held >= 3
+    assert not sampling.drop_programs(limit=held)  # at the limit: kept
+    assert sampling.drop_programs(limit=held - 1)
+    assert sampling.compiled_programs() == 0
+    again = [sampling.generate(model, p, **kw) for p in prompts]
+    assert sampling.compiled_programs() > 0
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)

@@ -186,6 +186,7 @@ class _Static:
     pad_id: int = flax.struct.field(pytree_node=False)
 
 
+MAX_PROGRAMS = 48  # compiled sampler programs the trainer keeps between steps (drop_programs)
 _JITTED: dict = {}  # (kind, graphdef, static config, layout, extra) -> jitted function
 _JITTED_UNHASHABLE: list = []  # [(key, jitted)] for graphdefs that cannot be hashed
 
@@ -221,6 +222,24 @@ def _jitted(kind: str, graphdef, st: _Static | None, lay, extra=None):
     except TypeError:
         _JITTED_UNHASHABLE.append((key, fn))
     return fn
+
+
+def compiled_programs() -> int:
+    """Compiled sampler programs this process holds (every cached decode function's)."""
+    fns = list(_JITTED.values()) + [fn for _, fn in _JITTED_UNHASHABLE]
+    return sum(fn._cache_size() for fn in fns)
+
+
+def drop_programs(limit: int = MAX_PROGRAMS) -> bool:
+    """Drops every compiled sampler program once more than `limit` are held, and returns
+    whether it did. Each prompt length bucket compiles its own (about 22 MB of host memory
+    each for SmolLM2-135M, 6 per bucket); the persistent compilation cache, when on, reloads
+    the ones needed next instead of compiling them."""
+    if compiled_programs() <= limit:
+        return False
+    for fn in list(_JITTED.values()) + [fn for _, fn in _JITTED_UNHASHABLE]:
+        fn.clear_cache()
+    return True
 
 
 def _put(x, lay, rows: bool = False):

@@ -19,7 +19,7 @@ import numpy as np
 
 from sage_jax import checkpoint, config as config_lib, distributed, metrics as metrics_lib
 from sage_jax import host_memory, parallel, rewards, wandb_log
-from sage_jax.engine import aot, update
+from sage_jax.engine import aot, sampling, update
 from sage_jax.eval import evaluate as eval_lib
 from sage_jax.rl import batching, rollout
 from sage_jax.rl.types import Rollout
@@ -252,6 +252,7 @@ def _step(run: _Run, step: int) -> dict:
         state, upd = run.step_fn(run.state, parallel.shard_batch(
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
+    sampling.drop_programs()  # prompt lengths not seen before compile more of them each step
     host_memory.trim()
     run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
     _check_finite(upd, step, run.last_saved, run.workdir)
