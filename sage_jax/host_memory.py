@@ -22,11 +22,8 @@ def tune_malloc() -> bool:
     Returns whether it did (False off glibc)."""
     if os.environ.get(ENV, "1") == "0":
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     done = True
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
@@ -40,8 +37,13 @@ def trim() -> bool:
     """Hands the free memory in malloc's heaps back to the system (glibc `malloc_trim`): what a
     step's small freed buffers and a compile's garbage leave behind (measured on SmolLM2-135M:
     1.5 GB after each update). The training loop calls it between phases; False off glibc."""
-    try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
-    except (OSError, AttributeError, TypeError):
-        return False
+    malloc_trim = _glibc("malloc_trim")
+    return malloc_trim is not None and bool(malloc_trim(0))
 
+
+def _glibc(name: str):
+    """The C library's function `name`, or None (not glibc, or no such function)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
+    except (OSError, AttributeError, TypeError):
+        return None

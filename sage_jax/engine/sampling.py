@@ -224,10 +224,13 @@ def _jitted(kind: str, graphdef, st: _Static | None, lay, extra=None):
     return fn
 
 
+def _jitted_fns() -> list:
+    return list(_JITTED.values()) + [fn for _, fn in _JITTED_UNHASHABLE]
+
+
 def compiled_programs() -> int:
     """Compiled sampler programs this process holds (every cached decode function's)."""
-    fns = list(_JITTED.values()) + [fn for _, fn in _JITTED_UNHASHABLE]
-    return sum(fn._cache_size() for fn in fns)
+    return sum(fn._cache_size() for fn in _jitted_fns())
 
 
 def drop_programs(limit: int = MAX_PROGRAMS) -> bool:
@@ -237,7 +240,7 @@ def drop_programs(limit: int = MAX_PROGRAMS) -> bool:
     the ones needed next instead of compiling them."""
     if compiled_programs() <= limit:
         return False
-    for fn in list(_JITTED.values()) + [fn for _, fn in _JITTED_UNHASHABLE]:
+    for fn in _jitted_fns():
         fn.clear_cache()
     return True
 
