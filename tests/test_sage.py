@@ -8,12 +8,13 @@ import pytest
 from sage_jax.rl import rollout
 from sage_jax.core import sage
 from sage_jax.config import HintConfig, RLConfig
+from sage_jax.tasks.base import PayloadHints
 from sage_jax.tasks.data import Example
 
 G = 4
 
 
-class CharTask:
+class CharTask(PayloadHints):
     """Prompts are characters; 'Q:<problem>' asks, '|H:<hint>' adds a hint, 'R:' requests one."""
 
     name = "chars"

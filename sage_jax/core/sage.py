@@ -139,6 +139,13 @@ def parse_hints(text: str, ground_truth: str | None = None) -> dict[int, str] | 
     return None
 
 
+def read_payload(text: str, ground_truth: str) -> tuple[dict[int, str], int]:
+    """`parse_hints(text, ground_truth)` as a dict ({} when nothing parses), and how many levels
+    it refused for leaking the answer."""
+    kept = parse_hints(text, ground_truth=ground_truth) or {}
+    return kept, len(parse_hints(text) or {}) - len(kept)
+
+
 def leaks_answer(hint: str, ground_truth: str) -> bool:
     """True when the hint boxes an answer equivalent to the ground truth."""
     if extract_boxed(hint) is None:

@@ -35,8 +35,9 @@ from sage_jax.tasks.data import Example
 class HintSource:
     """Hint payloads {level: hint} for a step's rows, from `hint.source`: the data's `hint`
     column, the task's reference rule, or written by the policy (online: rewritten every
-    `hint.refresh_every` steps; offline: once) and kept in the SAGE tables. Counts write
-    failures and over-long requests, and the time it spends."""
+    `hint.refresh_every` steps; offline: once) and kept in the SAGE tables. Counts what
+    writing did (`write_hints`' counts, and per level the hints written and those equal to the
+    task's reference hint) and the time it spends."""
 
     def __init__(self, hint, *, examples, dataset_ids, task: Task, sampler: GroupSampler,
                  tables: SageTables, step: int):
@@ -45,7 +46,9 @@ class HintSource:
         self.source = "online" if hint.source == "auto" else hint.source  # auto: the toy job
         self.payloads: dict[int, dict[int, str]] = {}
         self.written_text: dict[int, str] = {}  # row -> what the policy wrote this step
-        self.write_failed = self.too_long = 0
+        self.counts = dict.fromkeys(("requests", "too_long", "parsed", "leaked", "failed"), 0)
+        self.written = np.zeros(4, np.int64)  # [level]: hints the policy wrote this step
+        self.right = np.zeros(4, np.int64)  # [level]: of those, equal to the reference hint
         self.seconds = 0.0
 
     def has_solution(self, i: int) -> bool:
@@ -82,15 +85,25 @@ class HintSource:
         written, counts, texts = write_hints(rows, self.examples, self.task, self.sampler,
                                              self.hint, dataset_ids=self.ids)
         self.written_text.update(texts)
-        self.write_failed += counts["failed"]
-        self.too_long += counts["too_long"]
+        for k, v in counts.items():
+            self.counts[k] += v
         for i in rows:
             d = int(self.ids[i])
             if i in written:
+                ex = self.examples[i]
+                ref = self.task.reference_hints(ex.problem, ex.solution, ex.answer)
+                for lvl, text in written[i].items():
+                    self.written[lvl] += 1
+                    self.right[lvl] += _same_text(text, ref.get(lvl))
                 self.tables.store_hints(d, written[i], self.step)
                 self.payloads[i] = written[i]
             else:  # keep the last good payload, if any
                 self.payloads[i] = self.tables.cached_hints(d)
+
+
+def _same_text(a: str, b: str | None) -> bool:
+    """Equal up to whitespace."""
+    return b is not None and " ".join(a.split()) == " ".join(b.split())
 
 
 def _hint_payload_from_column(text: str | None) -> dict[int, str]:
@@ -103,40 +116,50 @@ def _hint_payload_from_column(text: str | None) -> dict[int, str]:
 def write_hints(indices: Sequence[int], examples: Sequence[Example], task: Task,
                 sampler: GroupSampler, hint, *, dataset_ids: np.ndarray
                 ) -> tuple[dict[int, dict[int, str]], dict[str, int], dict[int, str]]:
-    """The policy writes a hint payload for each row in `indices` (batched, with `hint.retries`
-    retries, at `hint.temperature`).
+    """The policy writes hints for each row in `indices`: every request of
+    `task.hint_requests` (one per level, or one for all levels), batched, with `hint.retries`
+    retries of the requests whose reply gave nothing usable, at `hint.temperature`.
 
-    Returns {row: {level: hint}} for rows whose payload parsed, counts of rows whose request
-    was too long or whose output never parsed, and {row: the text of its last attempt}.
+    Returns {row: {level: hint}} for rows that got at least one level; counts: requests,
+    too_long (requests over hint.max_request_tokens, not sent), parsed (requests whose reply
+    gave a usable hint), leaked (levels refused for giving the answer away, over all attempts),
+    failed (rows with no usable level); and {row: the replies of its last attempts, one line
+    per request}.
     """
     out: dict[int, dict[int, str]] = {}
-    texts: dict[int, str] = {}
-    todo, too_long = [], 0
-    requests = {}
+    replies: dict[tuple[int, int], str] = {}
+    counts = {"requests": 0, "too_long": 0, "parsed": 0, "leaked": 0}
+    requests: dict[tuple[int, int], list[int]] = {}
     for i in indices:
         ex = examples[i]
-        req = task.hint_request(ex.problem, ex.solution or "")
-        if len(req) > hint.max_request_tokens:
-            too_long += 1
-            continue
-        requests[i] = req
-        todo.append(i)
+        for level, req in task.hint_requests(ex.problem, ex.solution or "").items():
+            counts["requests"] += 1
+            if len(req) > hint.max_request_tokens:
+                counts["too_long"] += 1
+            else:
+                requests[(i, level)] = req
+    todo = list(requests)
     for attempt in range(hint.retries + 1):
         if not todo:
             break
-        got = sampler([requests[i] for i in todo], prompt_ids=dataset_ids[todo],
+        got = sampler([requests[r] for r in todo], prompt_ids=dataset_ids[[i for i, _ in todo]],
                       salt=1000 + attempt, num_samples=1, max_new_tokens=hint.max_new_tokens,
                       temperature=hint.temperature, top_p=1.0, top_k=0)
         failed = []
-        for j, i in enumerate(todo):
-            text = texts[i] = task.decode(got.tokens[j, 0, :got.lengths[j, 0]])
-            hints = sage.parse_hints(text, ground_truth=examples[i].answer)
+        for j, (i, level) in enumerate(todo):
+            text = replies[(i, level)] = task.decode(got.tokens[j, 0, :got.lengths[j, 0]])
+            hints, leaked = task.read_hints(text, level, examples[i].answer)
+            counts["leaked"] += leaked
             if hints:
-                out[i] = hints
+                out.setdefault(i, {}).update(hints)
+                counts["parsed"] += 1
             else:
-                failed.append(i)
+                failed.append((i, level))
         todo = failed
-    return out, {"too_long": too_long, "failed": len(todo)}, texts
+    counts["failed"] = sum(1 for i in indices if i not in out)
+    texts = {i: "\n".join(t for (r, _), t in sorted(replies.items()) if r == i)
+             for i in {r for r, _ in replies}}
+    return {i: dict(sorted(h.items())) for i, h in out.items()}, counts, texts
 
 
 # ---- the groups of one step ------------------------------------------------------------------
@@ -321,8 +344,14 @@ def _record(g: _Step, source: HintSource, after: dict, tables: SageTables) -> No
     m = g.metrics
     m["collapse/frac_all_zero_after"] = float(after["all_zero"].mean())
     m["hint/rescued"] = float(((g.rnd > 0) & after["mixed"]).sum())
-    m["hint/write_failed"] = float(source.write_failed)
-    m["hint/request_too_long"] = float(source.too_long)
+    m["hint/write_failed"] = float(source.counts["failed"])
+    m["hint/request_too_long"] = float(source.counts["too_long"])
+    m["hint/requests"] = float(source.counts["requests"])
+    m["hint/requests_parsed"] = float(source.counts["parsed"])
+    m["hint/leaked"] = float(source.counts["leaked"])
+    for lvl in sage.LEVELS:
+        m[f"hint/written_level_{lvl}"] = float(source.written[lvl])
+        m[f"hint/right_level_{lvl}"] = float(source.right[lvl])
     m.setdefault("hint/prompts_needing_hint", 0.0)
     for lvl in sage.LEVELS:
         m.setdefault(f"hint/used_level_{lvl}", 0.0)

@@ -19,13 +19,15 @@ def load_task(cfg, model_path: str | None = None):
 
 
 def load_model(cfg) -> models.Decoder:
-    """The policy at its starting point: model.path, else the task's built-in model;
-    `model.remat` set on it."""
+    """The policy at its starting point: model.path (through the task's `start_from`, e.g. a
+    warm start, where it has one), else the task's built-in model; `model.remat` set on it."""
     dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
-    if cfg.model.path:
+    plugin = registry.plugin(cfg.task.name)
+    if cfg.model.path and plugin.start_from is not None:
+        model = plugin.start_from(cfg, dtype, cdtype)
+    elif cfg.model.path:
         model = models.from_hf(cfg.model.path, dtype=dtype, compute_dtype=cdtype)
     else:
-        plugin = registry.plugin(cfg.task.name)
         if plugin.make_model is None:
             raise config_lib.ConfigError(f"task.name={cfg.task.name} needs model.path (a "
                                          f"Hugging Face folder)", key="model.path")
@@ -48,6 +50,14 @@ def load_examples(cfg, task):
     plugin = registry.plugin(cfg.task.name)
     if not cfg.data.train_files and plugin.examples is not None:
         examples = plugin.examples(cfg)
+        too_long = [e for e in examples
+                    if len(task.answer_prompt(e.problem)) > cfg.data.max_prompt_tokens]
+        if too_long:  # the rollout's rows are only data.max_prompt_tokens wide
+            raise config_lib.ConfigError(
+                f"{len(too_long)} of the {len(examples)} built-in {cfg.task.name} problems have "
+                f"prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens} "
+                f"(the longest: {max(len(task.answer_prompt(e.problem)) for e in too_long)} "
+                f"tokens); raise it", key="data.max_prompt_tokens")
         return examples, {"examples": len(examples),
                           "source": f"built-in {cfg.task.name} problems"}
     return data_lib.load_examples(cfg.data,

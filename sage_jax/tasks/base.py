@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Protocol, Sequence
 
+from sage_jax.core import sage
+
 RewardFn = Callable[[str, str], float]  # (response text, ground truth) -> score
 
 
@@ -30,8 +32,14 @@ class Task(Protocol):
     def hinted_prompt(self, problem: str, hint: str) -> list[int]:
         """Token ids of the answer prompt with a hint after the problem."""
 
-    def hint_request(self, problem: str, solution: str) -> list[int]:
-        """Token ids of the prompt asking the policy for a JSON hint payload."""
+    def hint_requests(self, problem: str, solution: str) -> dict[int, list[int]]:
+        """Token ids of the prompts that ask the policy for hints: {level: request}, one per
+        level the solution allows, or {0: request} for one request whose reply holds every
+        level (a JSON payload)."""
+
+    def read_hints(self, text: str, level: int, answer: str) -> tuple[dict[int, str], int]:
+        """The usable hints {level: hint} in the policy's reply to request `level`, and how many
+        levels were refused for giving the final `answer` away."""
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids (special tokens dropped)."""
@@ -49,6 +57,19 @@ class Task(Protocol):
         answer. Levels the solution is too short for are absent."""
 
 
+class PayloadHints:
+    """`hint_requests` / `read_hints` of a task that asks for every level in one JSON payload
+    (`self.hint_request(problem, solution)`), read by `core.sage.read_payload`."""
+
+    def hint_requests(self, problem: str, solution: str) -> dict[int, list[int]]:
+        return {0: self.hint_request(problem, solution)}  # type: ignore[attr-defined]
+
+    @staticmethod
+    def read_hints(text: str, level: int, answer: str) -> tuple[dict[int, str], int]:
+        del level
+        return sage.read_payload(text, answer)
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskPlugin:
     """How to build a task from a run's `Config`, and what it has built in.
@@ -63,6 +84,8 @@ class TaskPlugin:
       empty (None: the task needs data files).
     eval_problems(limit) -> {benchmark: [Problem]}: built-in held-out problems, evaluated
       instead of cfg.eval.benchmarks (None: the task is evaluated on benchmark files).
+    start_from(cfg, dtype, compute_dtype) -> Decoder: the policy's starting point made from the
+      model at model.path (e.g. a cached SFT warm start on the task; None: model.path as is).
     """
 
     name: str
@@ -71,3 +94,4 @@ class TaskPlugin:
     make_model: Callable[[Any, Any, Any], Any] | None = None
     examples: Callable[[Any], list] | None = None
     eval_problems: Callable[[int | None], dict[str, list]] | None = None
+    start_from: Callable[[Any, Any, Any], Any] | None = None

@@ -10,7 +10,7 @@ from sage_jax.core.sage import LEVELS, leaks_answer
 from sage_jax.models.hf_io import check_model_dir
 from sage_jax.models.tokenizer import Tokenizer
 from sage_jax.rewards import extract_boxed, math_reward_checked
-from sage_jax.tasks.base import TaskPlugin
+from sage_jax.tasks.base import PayloadHints, TaskPlugin
 
 # SAGE's and Qwen-Math's evaluation instruction; training uses the same one.
 ANSWER_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -68,7 +68,7 @@ def prefix_hints(solution: str, answer: str) -> dict[int, str]:
     return out
 
 
-class MathTask:
+class MathTask(PayloadHints):
     """Math word problems scored by `rewards.math_reward` (its timeouts and refusals counted)."""
 
     name = "math"

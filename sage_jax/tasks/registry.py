@@ -7,10 +7,12 @@ from sage_jax.config import ConfigError
 from sage_jax.tasks import math
 from sage_jax.tasks.base import TaskPlugin
 from sage_jax.tasks.toy import plugin as toy
+from sage_jax.tasks.words import plugin as words
 
 TASKS: dict[str, TaskPlugin] = {
     "math": math.PLUGIN,
     "toy": toy.PLUGIN,
+    "words": words.PLUGIN,
 }
 
 

@@ -68,6 +68,7 @@ import numpy as np
 from sage_jax.models.char_tokenizer import CharTokenizer
 from sage_jax.models.config import ModelConfig
 from sage_jax.core.sage import LEVELS
+from sage_jax.tasks.base import PayloadHints
 from sage_jax.tasks.benchmarks import Problem
 from sage_jax.tasks.data import Example
 
@@ -240,7 +241,7 @@ def toy_reward(response: str, ground_truth: str) -> float:
 
 # ---- the task -------------------------------------------------------------------------------
 
-class ToyTask:
+class ToyTask(PayloadHints):
     """Prompt formats of the toy task (`sage_jax.tasks.base.Task`) through `CharTokenizer`."""
 
     name = "toy"
