@@ -107,7 +107,7 @@ class DataConfig(_Section):
 class RLConfig(_Section):
     """The RL algorithm: rollouts, rewards, advantages and the clipped policy-gradient loss."""
 
-    method: Literal["grpo", "sage", "sage_light", "resample"] = "sage"  # README: Methods.
+    method: Literal["grpo", "sage", "sage_light", "resample"] = "sage"  # README: Methods and hint sources.
     group_size: int = 8  # G: answers sampled per prompt.
     prompts_per_step: int = 128  # B: prompts per training step.
     max_new_tokens: int = 8192  # Longest answer, end-of-sequence token included.
