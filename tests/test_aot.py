@@ -199,10 +199,12 @@ def gpu_python() -> str:
     done = venv / "installed"
     if not done.is_file():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-        Path(own, "_sage_jax_base.pth").write_text(
-            f"import site; site.addsitedir({site.getsitepackages()[0]!r})\n")
+    own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    # every run: the cached venv may have been built beside another checkout's environment
+    Path(own, "_sage_jax_base.pth").write_text(
+        f"import site; site.addsitedir({site.getsitepackages()[0]!r})\n")
+    if not done.is_file():
         subprocess.run([str(python), "-m", "pip", "install", "-q", "-r",
                         str(ROOT / "requirements-gpu-aot.txt")], check=True, timeout=900)
         done.write_text("ok\n")

@@ -17,7 +17,7 @@ from sage_jax.config import MeshConfig
 from sage_jax.engine import sampling
 from sage_jax.engine.select import select
 
-T = 150  # many segments of sampling.DECODE_SEGMENT steps; the cache grows from 32 to 152 slots
+T = 150  # rows end at many different steps; the cache grows from 32 to 152 slots
 
 
 @pytest.fixture(autouse=True)
@@ -122,6 +122,10 @@ def test_greedy_rows_that_end_at_different_steps_equal_the_naive_decoder(case):
     # decoding every row to the end would take.
     assert out.decode_row_steps < 0.6 * 16 * (T - 1), out.decode_row_steps
     assert out.decode_row_steps >= int(lengths.sum()) - len(prompts)
+    # The host waited once for the first tokens, then once per segment: a segment ends only
+    # where the cache grows (32, 64, 128, 152 slots) or the running rows fit a smaller bucket
+    # (16 rows -> 12 -> 8), not every DECODE_SEGMENT steps (which would be 10 segments here).
+    assert out.host_syncs <= 1 + len(sampling.slot_schedule(T, True)) + 2, out.host_syncs
 
 
 def test_logprobs_of_regrouped_rows_equal_the_full_forward(case):
@@ -178,8 +182,21 @@ def test_the_decode_loop_updates_its_cache_in_place(case):
     state, _, _ = sampling._jitted("start", None, st, None, 64)(
         prompt_k, prompt_v, mask, logits, key=jax.random.PRNGKey(0), prompt_ids_B=jnp.arange(8),
         valid_B=jnp.ones(8, bool))
-    seg = sampling._jitted("segment", graphdef, st, None, sampling.DECODE_SEGMENT)
-    hlo = seg.lower(params, state, jnp.int32(1)).compile().as_text()
+    seg = sampling._jitted("segment", graphdef, st, None)
+    hlo = seg.lower(params, state, jnp.int32(1), jnp.int32(-1)).compile().as_text()
     shape = "f32[{}]".format(",".join(map(str, state.gen_k[0].shape)))
     copies = [line.strip() for line in hlo.splitlines() if " copy(" in line and shape in line]
     assert not copies, copies[:3]
+
+
+def test_a_long_call_waits_for_the_device_a_few_times_not_every_few_tokens():
+    """8,191 decode steps (no row ends: the EOS id is outside the vocabulary) in one segment per
+    cache size: 32, 64, ..., 8192 slots, the first tokens included 10 host syncs, not 512."""
+    cfg = models.ModelConfig(family="llama", vocab_size=61, hidden_size=16, intermediate_size=32,
+                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    model = models.Decoder(cfg, rngs=nnx.Rngs(0))
+    long = 8192
+    out = sampling.generate(model, _prompts(2), max_new_tokens=long, temperature=1.0,
+                            eos_token_id=999, key=jax.random.PRNGKey(0))
+    assert (out.lengths == long).all()
+    assert out.host_syncs == 1 + len(sampling.slot_schedule(long, True)) == 10

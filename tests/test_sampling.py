@@ -212,7 +212,7 @@ def test_second_batch_in_the_same_bucket_does_not_recompile():
     st = sampling._Static(num_samples=2, max_new_tokens=6, temperature=0.9, top_p=1.0, top_k=0,
                           eos_ids=(4,), pad_id=0)
     prefill = sampling._jitted("prefill", graphdef, None, None)
-    segment = sampling._jitted("segment", graphdef, st, None, sampling.DECODE_SEGMENT)
+    segment = sampling._jitted("segment", graphdef, st, None)
     sizes = (prefill._cache_size(), segment._cache_size())
     # Other prompts of other lengths, same buckets (8 prompts, 16 tokens, 8 rows of 6 live).
     sampling.generate(model, _prompts(97, [14, 2, 16], seed=8), **kw,

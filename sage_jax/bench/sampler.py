@@ -11,6 +11,8 @@ warm-up call includes compilation; compile time is reported separately as "compi
   (`bench.real`); tokens/s counts useful tokens (each row's tokens up to and including its EOS),
   `lengths_sha1` identifies the outputs (the peers print the same), and `decode_waste` is the
   share of the decode programs' row-steps spent on padding or finished rows.
+
+Every workload also reports `host_syncs`: how often one call waited for the device's results.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def run(args):
         out = sampling.sample(graphdef, params, prompts, mask, key=jax.random.PRNGKey(i),
                               num_samples=g, max_new_tokens=new, eos_ids=eos, pad_id=0, **knobs)
         check(out)
+        extra["host_syncs"] = out.host_syncs
         return out
 
     t0 = time.perf_counter()

@@ -326,16 +326,15 @@ def _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, *, prompts
     if prefill.error:
         return progs
     logits, prompt_k, prompt_v = prefill.compiled.out_info
-    seg = sampling.DECODE_SEGMENT
-    cap0 = sampling.slot_bucket(seg, max_new_tokens)
+    steps = sampling.slot_schedule(max_new_tokens, bool(st.eos_ids))
+    cap0 = min(steps)
     progs.append(compile_one(
         f"{prefix}/start", sampling._jitted("start", None, st, lay, cap0),
         (prompt_k, prompt_v, _abstract((b, p), jnp.bool_, rows), logits,
          _abstract((2,), jnp.uint32, repl), _abstract((b,), jnp.int32, rows),
          _abstract((b,), jnp.bool_, rows)), resident=optimizer_bytes))
     dtype = prompt_k[0].dtype
-    slots = sorted({sampling.slot_bucket(t + seg - 1, max_new_tokens)
-                    for t in range(1, max_new_tokens, seg)} | {cap0})
+    slots = sorted(steps)
     shards = parallel.row_shards(mesh)
     r0 = b * group
     smaller = sorted({sampling.row_bucket(n, shards, fine=fine) for n in range(1, r0)} - {r0})
@@ -344,13 +343,13 @@ def _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, *, prompts
     if smaller:
         pairs += [(r, 1, s) for r in (smaller if all_buckets else smaller[-1:])
                   for s in (slots if all_buckets else slots[-1:])]
-    steps = _steps_per_slot_bucket(slots, max_new_tokens, seg)
     for r, g, s in pairs:
         rlay = placement.layout(mesh, model_cfg.num_kv_heads, r)
         state = decode_state(model_cfg, rlay, r // g, g, p, s, dtype)
         prog = compile_one(f"{prefix}/decode@{r}x{s}",
-                           sampling._jitted("segment", graphdef, st, rlay, seg),
-                           (params, state, _abstract((), jnp.int32, placement.replicated(rlay))),
+                           sampling._jitted("segment", graphdef, st, rlay),
+                           (params, state, _abstract((), jnp.int32, placement.replicated(rlay)),
+                            _abstract((), jnp.int32, placement.replicated(rlay))),
                            resident=optimizer_bytes, calls=0.0)
         prog.bytes_per_call = prog.argument  # one step reads every weight and cache slot once
         progs.append(prog)
@@ -382,15 +381,6 @@ def _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, *, prompts
             (fields, index, _abstract((r1,), jnp.bool_, placement.spec(rlay))),
             resident=optimizer_bytes + whole, calls=0.0))
     return progs
-
-
-def _steps_per_slot_bucket(slots: list[int], max_new_tokens: int, seg: int) -> dict[int, int]:
-    """Decode steps run with each cache size when no row ends early (steps 1 .. T-1)."""
-    out = dict.fromkeys(slots, 0)
-    for t in range(1, max_new_tokens, seg):
-        n = min(seg, max_new_tokens - t)
-        out[sampling.slot_bucket(t + seg - 1, max_new_tokens)] += n
-    return out
 
 
 def _decode_calls(progs: list[Program], steps: dict[int, int]) -> None:

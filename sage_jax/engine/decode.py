@@ -1,7 +1,7 @@
 """The sampler's device programs: prefill, start, decode segments and regrouping of rows.
 
 Shapes: B prompt groups of G rows each (R = B*G rows, row b*G + g), P prompt columns, S slots
-of the generated-token cache, V vocab, K kv heads, H head dim, n segment steps.
+of the generated-token cache, V vocab, K kv heads, H head dim, n steps of a segment.
 
 * `prefill(params, prompt_BxP, mask_BxP)` runs the prompts once and returns the last
   position's logits [B, V] and the prompts' keys/values, transposed for decode (read once for
@@ -9,10 +9,11 @@ of the generated-token cache, V vocab, K kv heads, H head dim, n segment steps.
 * `start(prompt_k, prompt_v, mask_BxP, logits_BxV, key, prompt_ids_B, valid_B)` draws every
   row's first token and builds the `DecodeState` around the prompt keys/values, with an empty
   generated-token cache of `cap` slots.
-* `segment(params, state, t0)` decodes steps t0 .. t0+n-1 (n <= `seg`) in a `lax.while_loop`
-  (the state is donated and updated in place; no host synchronisation inside) and stops early
-  when every row has finished or t reaches max_new_tokens; it returns the segment's tokens and
-  log-probs [R, seg] and n.
+* `segment(params, state, t0, stop_live)` decodes steps t0 .. t0+n-1 in a `lax.while_loop`
+  (the state is donated and updated in place; no host synchronisation inside) until the
+  generated-token cache is full, t reaches max_new_tokens, every row has finished, or at most
+  `stop_live` rows still run (the host then moves them into a smaller row bucket); it returns
+  the segment's tokens and log-probs [R, S] (the first n columns written) and n.
 * `regroup_layer(gen_k, gen_v, prompt_k, prompt_v, index)` gives one layer a larger
   generated-token cache and/or only the rows `index` (then one row per group, G = 1), and
   `regroup_rows(fields, index, keep)` the per-row fields (`ROW_FIELDS`): between segments
@@ -231,21 +232,23 @@ def start(st, lay, cap: int, prompt_k, prompt_v, mask_BxP, logits_BxV, key, prom
     return state, tok, logp
 
 
-def segment(graphdef, st, lay, seg: int, params, state: DecodeState, t0):
-    """Decodes steps t0, t0+1, ... (at most `seg`, ending at max_new_tokens or when every row
-    has finished); step t feeds token t-1 (position pos0 + t - 1, generated slot t - 1), so the
-    cache must hold slot t0 + seg - 2 (or the last one). Returns (state, tokens [R, seg]
-    (`pad_id` where a row had finished or the step did not run), log-probs [R, seg] (0 there),
-    steps run)."""
+def segment(graphdef, st, lay, params, state: DecodeState, t0, stop_live):
+    """Decodes steps t0, t0+1, ... until the cache is full (step t feeds token t-1 at position
+    pos0 + t - 1 and writes generated slot t - 1, so the last step has t = S), t reaches
+    max_new_tokens, every row has finished, or at most `stop_live` rows still run (-1: never).
+    Returns (state, tokens [R, S] (column i: step t0 + i; `pad_id` where a row had finished or
+    the step did not run), log-probs [R, S] (0 there), steps run n)."""
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, placement.sampler_params(params, lay, _compute_dtype(graphdef,
                                                                                    params)))
-    g, r, pad = state.group, state.rows, st.pad_id
+    g, r, s, pad = state.group, state.rows, state.slots, st.pad_id
     prompt_kv = tuple(zip(state.prompt_k, state.prompt_v))
 
     def cond(c):
         i, _, _, _, _, _, done = c
-        return (i < seg) & (t0 + i < st.max_new_tokens) & ~jnp.all(done)
+        t = t0 + i
+        return ((t <= s) & (t < st.max_new_tokens)
+                & (jnp.sum(~done, dtype=jnp.int32) > jnp.maximum(stop_live, 0)))
 
     def body(c):
         i, gen_kv, toks, logps, lengths, last, done = c
@@ -260,8 +263,8 @@ def segment(graphdef, st, lay, seg: int, params, state: DecodeState, t0):
         done = done | is_eos(tok, st.eos_ids)
         return (i + 1, gen_kv, *placement.on(lay, (toks, logps, lengths, tok, done)))
 
-    toks = placement.on(lay, jnp.full((r, seg), pad, jnp.int32))
-    logps = placement.on(lay, jnp.zeros((r, seg), jnp.float32))
+    toks = placement.on(lay, jnp.full((r, s), pad, jnp.int32))
+    logps = placement.on(lay, jnp.zeros((r, s), jnp.float32))
     init = (jnp.asarray(0, jnp.int32), tuple(zip(state.gen_k, state.gen_v)), toks, logps,
             state.lengths_R, state.last_R, state.done_R)
     n, gen_kv, toks, logps, lengths, last, done = jax.lax.while_loop(cond, body, init)

@@ -21,18 +21,20 @@ How a call runs (the device programs are in `decode`):
 2. Prefill: the B prompts run once through the model (a prompt is never prefilled G times); only
    the last position's logits are computed, and the prompts' keys/values come out in the
    layout decode reads. Every row draws its first token.
-3. Decode, `DECODE_SEGMENT` steps (all T without EOS ids) per jitted `lax.while_loop` (no
-   host synchronisation inside; the state is donated and updated in place). A row attends to
-   its prompt's keys/values, read once for the G rows that share them, and to its own generated
-   ones. Between segments the host reads which rows have finished and, when the running rows
-   fit a smaller row bucket (32, 64, ...; for models of 20M parameters and more, `fine_buckets`,
-   8, 12, 16, 24, 32, 48, ..., and the 1.5x prompt buckets too), gathers them into
-   it (one row per group from then on, the prompt's keys/values copied); the generated-token cache
-   starts at `SLOT_BUCKET_MIN` slots and doubles as it fills, so attention reads only the slots
-   in use. Both go layer by layer, each old layer freed once read: the old and the new cache
-   never both live whole. Decoding ends when every row has emitted an EOS id or T tokens. Programs
-   are cached per shape: a run compiles one segment program per (prompt bucket, row bucket,
-   cache size) it meets.
+3. Decode in segments, each a jitted `lax.while_loop` (no host synchronisation inside; the
+   state is donated and updated in place). A row attends to its prompt's keys/values, read
+   once for the G rows that share them, and to its own generated ones. A segment runs until
+   the generated-token cache is full or the running rows fit a smaller row bucket (32, 64, ...;
+   for models of 20M parameters and more, `fine_buckets`, 8, 12, 16, 24, 32, 48, ..., and the
+   1.5x prompt buckets too); the host then gathers the running rows into that bucket (one row
+   per group from then on, the prompt's keys/values copied) or doubles the cache, which starts
+   at `SLOT_BUCKET_MIN` slots (all T without EOS ids), so attention reads only the slots in
+   use. A call therefore synchronises with the host once per cache size and row bucket it
+   passes through (`SampleOutput.host_syncs`: about log2(T / 32) + the row buckets, not one per
+   fixed number of tokens). Regrouping and growing go layer by layer, each old layer freed once
+   read: the old and the new cache never both live whole. Decoding ends when every row has
+   emitted an EOS id or T tokens. Programs are cached per shape: a run compiles one segment
+   program per (prompt bucket, row bucket, cache size) it meets.
 
 Sampling knobs (`select`): `temperature`, `top_p`, `top_k` and `eos_ids` are *static* (part of
 the compiled program's key; a run uses two or three settings -- training 1.0/1.0/0, evaluation
@@ -76,7 +78,7 @@ from sage_jax.engine import decode, placement
 
 PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 24, 32, 48, 64, 96, 128, ...
 BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
-DECODE_SEGMENT = 16  # decode steps per program call; the host regroups rows in between
+DECODE_SEGMENT = 16  # the cache grows (doubles) when fewer than this many more steps fit
 SLOT_BUCKET_MIN = 32  # the generated-token cache holds 32, 64, 128, ... slots (as it fills)
 ROW_BUCKET_MIN = 8  # rows are regrouped into 8, (12,) 16, (24,) 32, ... (split over row shards)
 # Models under FINE_BUCKETS_MIN_PARAMS regroup into 32, 64, ... rows only: below 32 rows their
@@ -155,6 +157,39 @@ def slot_bucket(need: int, max_new_tokens: int) -> int:
     return min(gen_slots(max_new_tokens), max(SLOT_BUCKET_MIN, 1 << max(need - 1, 0).bit_length()))
 
 
+def first_slots(max_new_tokens: int, eos: bool) -> int:
+    """The generated-token cache a call starts with: room for `DECODE_SEGMENT` steps, or all T
+    without EOS ids (no row ends early, so one segment decodes everything)."""
+    return slot_bucket(DECODE_SEGMENT if eos else max_new_tokens, max_new_tokens)
+
+
+def slots_for(t: int, slots: int, max_new_tokens: int) -> int:
+    """The cache a segment starting at step t runs with: `slots` while it holds at least
+    `DECODE_SEGMENT` more steps (or the rest), else the next bucket that does."""
+    if slots >= min(t + DECODE_SEGMENT - 1, max_new_tokens - 1):
+        return slots
+    return slot_bucket(t + DECODE_SEGMENT - 1, max_new_tokens)
+
+
+def slot_schedule(max_new_tokens: int, eos: bool) -> dict[int, int]:
+    """{cache slots: decode steps run with it} when no row ends early (steps 1 .. T-1)."""
+    out, t, s = {}, 1, first_slots(max_new_tokens, eos)
+    while t < max_new_tokens:
+        s = slots_for(t, s, max_new_tokens)
+        n = min(s + 1, max_new_tokens) - t
+        out[s], t = out.get(s, 0) + n, t + n
+    return out
+
+
+def stop_live(rows: int, shards: int = 1, *, fine: bool = True) -> int:
+    """Running rows at which a segment of `rows` rows stops so that the host can move them into
+    a smaller row bucket: the most that fit one (-1: no smaller bucket)."""
+    n = rows - 1
+    while n > 0 and row_bucket(n, shards, fine=fine) >= rows:
+        n -= 1
+    return n if n > 0 else -1
+
+
 @flax.struct.dataclass
 class SampleOutput:
     """What a sampling call returns (see the module docstring for shapes and padding).
@@ -165,12 +200,15 @@ class SampleOutput:
       after the end.
     decode_row_steps: row-steps the decode programs ran (rows of each segment, padding and
       finished rows included, times its steps): the work that `lengths` is the useful part of.
+    host_syncs: times the host waited for the device's results (the first tokens, then once
+      per decode segment).
     """
 
     tokens: jax.Array
     lengths: jax.Array
     logprobs: jax.Array
     decode_row_steps: int = flax.struct.field(pytree_node=False, default=0)
+    host_syncs: int = flax.struct.field(pytree_node=False, default=0)
 
 
 @flax.struct.dataclass
@@ -211,8 +249,7 @@ def _jitted(kind: str, graphdef, st: _Static | None, lay, extra=None):
     elif kind == "start":  # the prompt keys/values pass through into the state, not copied
         fn = jax.jit(functools.partial(decode.start, st, lay, extra), donate_argnums=(0, 1))
     elif kind == "segment":
-        fn = jax.jit(functools.partial(decode.segment, graphdef, st, lay, extra),
-                     donate_argnums=(1,))
+        fn = jax.jit(functools.partial(decode.segment, graphdef, st, lay), donate_argnums=(1,))
     elif kind == "regroup":
         fn = jax.jit(functools.partial(decode.regroup_layer, lay, extra))
     else:
@@ -346,24 +383,22 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
         tokens, mask, ids, valid = (_put(x, lay, rows=True) for x in (tokens, mask, ids, valid))
         key = _put(key, lay)
     logits, prompt_k, prompt_v = _jitted("prefill", graphdef, None, lay)(params, tokens, mask)
-    seg = DECODE_SEGMENT if st.eos_ids else st.max_new_tokens  # without EOS no row ends early
-    cap = slot_bucket(seg, st.max_new_tokens)
+    cap = first_slots(st.max_new_tokens, bool(st.eos_ids))
     state, tok0, logp0 = _jitted("start", None, st, lay, cap)(prompt_k, prompt_v, mask, logits,
                                                                key, ids, valid)
     del prompt_k, prompt_v
-    out = _decode_segments(graphdef, params, st, mesh, lay, seg, state, tok0, logp0, fine)
+    out = _decode_segments(graphdef, params, st, mesh, lay, state, tok0, logp0, fine)
     if bb != b:
         out = jax.tree.map(lambda x: x[:b], out)
     return out
 
 
-def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, tok0_R,
-                     logp0_R, fine: bool):
-    """Runs decode segments until every row has finished or T tokens; between segments drops
-    finished rows into a smaller row bucket and grows the generated-token cache. `lay`: the
-    placement of `state` (from `start`); `seg`: steps per segment; `fine`: the 1.5x row buckets
-    too (`fine_buckets`). Returns the SampleOutput
-    ([B, G, T] host arrays)."""
+def _decode_segments(graphdef, params, st: _Static, mesh, lay, state, tok0_R, logp0_R,
+                     fine: bool):
+    """Runs decode segments until every row has finished or T tokens; between segments moves
+    the running rows into a smaller row bucket or grows the generated-token cache. `lay`: the
+    placement of `state` (from `start`); `fine`: the 1.5x row buckets too (`fine_buckets`).
+    Returns the SampleOutput ([B, G, T] host arrays)."""
     t_max, g = st.max_new_tokens, st.num_samples
     r0 = state.rows
     shards = 1 if mesh is None else parallel.row_shards(mesh)
@@ -373,11 +408,11 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, 
         (tok0_R, logp0_R, state.lengths_R, state.done_R))
     lengths = np.array(lengths)
     row_ids = np.arange(r0)  # output row of each state row (-1: a padding row)
-    t, row_steps = 1, 0
+    t, row_steps, syncs = 1, 0, 1
     while t < t_max and not done.all():
         live = np.flatnonzero(~done)
         rows = row_bucket(live.size, shards, fine=fine)
-        cap = max(state.slots, slot_bucket(t + seg - 1, t_max))
+        cap = slots_for(t, state.slots, t_max)
         if rows < state.rows:  # the running rows fit a smaller bucket: gather them
             index = np.concatenate([live, np.full(rows - live.size, live[0])]).astype(np.int32)
             keep = np.arange(rows) < live.size
@@ -386,18 +421,20 @@ def _decode_segments(graphdef, params, st: _Static, mesh, lay, seg: int, state, 
             row_ids = np.where(keep, row_ids[index], -1)
         elif cap > state.slots:  # the cache is full: grow it
             state = _regroup(state, lay, cap)
-        state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay, seg)(
-            params, state, _put(np.int32(t), lay))
+        state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay)(
+            params, state, _put(np.int32(t), lay),
+            _put(np.int32(stop_live(state.rows, shards, fine=fine)), lay))
         seg_tok, seg_logp, seg_len, done, n = distributed.fetch(
             (seg_tok, seg_logp, state.lengths_R, state.done_R, n))
-        n, mine = int(n), row_ids >= 0
+        n, mine, syncs = int(n), row_ids >= 0, syncs + 1
         tokens[row_ids[mine], t:t + n] = seg_tok[mine, :n]
         logps[row_ids[mine], t:t + n] = seg_logp[mine, :n]
         lengths[row_ids[mine]] = seg_len[mine]
         t, row_steps = t + n, row_steps + state.rows * n
     b = r0 // g
     return SampleOutput(tokens=tokens.reshape(b, g, t_max), lengths=lengths.reshape(b, g),
-                        logprobs=logps.reshape(b, g, t_max), decode_row_steps=row_steps)
+                        logprobs=logps.reshape(b, g, t_max), decode_row_steps=row_steps,
+                        host_syncs=syncs)
 
 
 def _regroup(state, lay, cap: int, index_R=None, keep_R=None):
@@ -457,4 +494,4 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 2
     return SampleOutput(tokens=np.asarray(out.tokens).reshape(rows, -1),
                         lengths=np.asarray(out.lengths).reshape(rows),
                         logprobs=np.asarray(out.logprobs).reshape(rows, -1),
-                        decode_row_steps=out.decode_row_steps)
+                        decode_row_steps=out.decode_row_steps, host_syncs=out.host_syncs)
