@@ -306,6 +306,11 @@ def _default_workers() -> int:
     return max(1, min(8, cpus))
 
 
+# What scores a batch: (responses, ground truths) -> (rewards [N], counts of how scoring went),
+# e.g. `RewardPool.score`.
+Scorer = Callable[[Sequence[str], Sequence[str]], "tuple[np.ndarray, dict[str, int]]"]
+
+
 class RewardPool:
     """Persistent worker processes that score (response, ground truth) pairs with hard timeouts.
 

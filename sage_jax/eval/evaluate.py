@@ -11,7 +11,7 @@ import dataclasses
 import sys
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sage_jax.engine import sampling
+from sage_jax.rewards import Scorer
 from sage_jax.tasks.benchmarks import ALL_BENCHMARKS, BENCHMARKS, Problem, load_benchmark
-
-Scorer = Callable[[Sequence[str], Sequence[str]], tuple[np.ndarray, Mapping[str, int]]]
 
 
 # ---- problems ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ and the trainer all use these; the first-pass status codes are `core.sage.COLLAP
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import flax.struct
 import jax
@@ -27,9 +27,6 @@ class GroupSampler(Protocol):
                  num_samples: int, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int) -> Samples:
         """G answers per prompt. Randomness derives from (step, prompt_ids[b], sample, salt)."""
-
-
-Scorer = Callable[[Sequence[str], Sequence[str]], "tuple[np.ndarray, dict]"]
 
 
 @flax.struct.dataclass
