@@ -22,6 +22,8 @@ import pytest
 from sage_jax import config as config_lib, hardware, models, parallel
 from sage_jax.engine import aot, placement
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

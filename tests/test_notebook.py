@@ -6,10 +6,13 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "scripts" / "colab_quickstart.ipynb"
 KERNEL = "sage_jax_test"

@@ -4,11 +4,14 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
 from sage_jax import models
 from sage_jax.engine import sampling
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and "

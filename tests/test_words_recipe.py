@@ -17,6 +17,8 @@ from sage_jax.rl import batching, rollout
 from sage_jax.run import build
 from sage_jax.tasks.words import plugin, problems as wp
 
+pytestmark = pytest.mark.slow
+
 SHRUNKEN = ["task.words.max_steps=3", "task.words.sft_steps=24", "data.max_prompt_tokens=96",
             "rl.max_new_tokens=80", "hint.max_new_tokens=48", "train.steps=2",
             "checkpoint.every=2", "train.samples_every=0"]
