@@ -141,9 +141,10 @@ def plot(out: Path, summary: dict) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for arm in summary["arms"]:
         r = np.asarray(summary[arm]["rl"]["reward_per_step"], float)
-        a.plot(np.arange(1, len(r) + 1), r, alpha=0.35)
         k = min(5, len(r))
-        a.plot(np.arange(k, len(r) + 1), np.convolve(r, np.ones(k) / k, "valid"), label=arm)
+        (line,) = a.plot(np.arange(k, len(r) + 1), np.convolve(r, np.ones(k) / k, "valid"),
+                         label=f"{arm} (mean of {k})")
+        a.plot(np.arange(1, len(r) + 1), r, alpha=0.35, color=line.get_color())
     a.set(xlabel="RL step", ylabel="mean reward (trained groups)", title="reward per step")
     a.legend()
     lengths = list(summary["before"]["by_length"])
