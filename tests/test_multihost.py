@@ -20,6 +20,8 @@ from sage_jax.run import restore
 from sage_jax import distributed
 from sage_jax.metrics import read_metrics
 
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("multihost_worker.py")
 TIMEOUT_S = 600
 

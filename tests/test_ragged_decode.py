@@ -128,6 +128,7 @@ def test_greedy_rows_that_end_at_different_steps_equal_the_naive_decoder(case):
     assert out.host_syncs <= 1 + len(sampling.slot_schedule(T, True)) + 2, out.host_syncs
 
 
+@pytest.mark.slow
 def test_logprobs_of_regrouped_rows_equal_the_full_forward(case):
     model, prompts, key, eos, _, _ = case
     out = sampling.generate(model, prompts, max_new_tokens=T, temperature=1.0,
@@ -189,6 +190,7 @@ def test_the_decode_loop_updates_its_cache_in_place(case):
     assert not copies, copies[:3]
 
 
+@pytest.mark.slow
 def test_a_long_call_waits_for_the_device_a_few_times_not_every_few_tokens():
     """8,191 decode steps (no row ends: the EOS id is outside the vocabulary) in one segment per
     cache size: 32, 64, ..., 8192 slots, the first tokens included 10 host syncs, not 512."""

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -12,6 +13,8 @@ sys.path.insert(0, str(SCRIPTS))
 import reproduce_toy  # noqa: E402
 from sage_jax.run import loop  # noqa: E402
 from sage_jax.metrics import read_metrics  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 
 def shrunk(cache):

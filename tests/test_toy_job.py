@@ -12,6 +12,8 @@ from sage_jax.metrics import read_metrics
 from sage_jax.jobs import toy as toy_job
 from sage_jax.tasks.toy import warm_start
 
+pytestmark = pytest.mark.slow
+
 SHRUNK = ["task.toy.min_steps=2", "task.toy.max_steps=3", "task.toy.sft_steps=12",
           "task.toy.sft_target_step_acc=0", "task.toy.calibrate_per_length=2",
           "task.toy.eval_per_length=2", "task.toy.eval_samples=2", "task.toy.problems=16",

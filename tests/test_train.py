@@ -62,6 +62,7 @@ def _params(workdir):
                   for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_and_survives_a_crash_during_save(tmp_path, monkeypatch):
     c = cfg("rl.method=sage", "train.steps=4")
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -163,6 +164,7 @@ def test_resume_step_rolls_back_once_and_no_good_checkpoint_is_one_error(three_s
         loop.train(c, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_save_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
     run = tmp_path / "run"
     worker = Path(__file__).with_name("diskfull_worker.py")

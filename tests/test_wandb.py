@@ -32,6 +32,7 @@ def _records(wandb_file: Path) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_offline_history_equals_metrics_jsonl_across_a_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
