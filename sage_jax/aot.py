@@ -7,7 +7,7 @@ rollout's prefill, decode segments and regrouping, the hint-writing programs) fo
 `8xa100-80gb`), at the shapes the run will use, and prints per program the compile time and
 per-device GiB (arguments, outputs, temporaries, peak, what stays resident beside it), the
 matmul FLOPs and a roofline time, then the step's FLOPs, roofline time and MFU bound
-(`sage_jax.engine.aot`). No weights or data are read: the model's dimensions come from
+(`sage_jax.engine.compile_check`). No weights or data are read: the model's dimensions come from
 `--hf-config`, `--preset`, or model.path's config.json. Exits with status 2 and one line naming
 the program, its GiB, the HBM and the knob to turn when a program does not fit with
 `--headroom` (default 10%) of HBM free.
@@ -25,8 +25,9 @@ import json
 import sys
 from pathlib import Path
 
-from sage_jax import cli, config as config_lib, models
-from sage_jax.engine import aot
+from sage_jax.infra import cli
+from sage_jax import config as config_lib, models
+from sage_jax.engine import compile_check
 from sage_jax.models.presets import PRESETS
 from sage_jax.run import build
 
@@ -44,7 +45,7 @@ def parse(argv=None):
                    help="program families to compile (default train,rollout,hint)")
     p.add_argument("--all-buckets", action="store_true",
                    help="every decode row/cache bucket, not only the extremes")
-    p.add_argument("--headroom", type=float, default=aot.HEADROOM,
+    p.add_argument("--headroom", type=float, default=compile_check.HEADROOM,
                    help="share of HBM that must stay free (default 0.10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -52,13 +53,13 @@ def parse(argv=None):
 
 
 def model_dims(cfg, preset: str | None = None, hf_config: str | None = None
-               ) -> models.ModelConfig:
+               ) -> models.DecoderConfig:
     """The decoder's dimensions: `hf_config`, `preset`, else the run's own (`build.model_dims`)."""
     if hf_config:
-        return models.ModelConfig.from_hf_dict(json.loads(Path(hf_config).read_text()),
+        return models.DecoderConfig.from_hf_dict(json.loads(Path(hf_config).read_text()),
                                                source=hf_config)
     if preset:
-        return models.ModelConfig.from_hf_dict(PRESETS[preset], source=f"preset {preset}")
+        return models.DecoderConfig.from_hf_dict(PRESETS[preset], source=f"preset {preset}")
     return build.model_dims(cfg)
 
 
@@ -69,16 +70,16 @@ def main(argv=None):
         dims = model_dims(cfg, args.preset, args.hf_config)
         log = None if args.json else (lambda line: print(line, flush=True))
         if log:
-            print(aot.HEADER, flush=True)
-        report = aot.check_run(cfg, dims, args.topology, prompt_len=args.prompt_len,
+            print(compile_check.HEADER, flush=True)
+        report = compile_check.check_run(cfg, dims, args.topology, prompt_len=args.prompt_len,
                                all_buckets=args.all_buckets, log=log,
                                only=tuple(args.only.split(",")))
         if args.json:
-            print(json.dumps(aot.to_json(report)))
+            print(json.dumps(compile_check.to_json(report)))
         else:
-            print(aot.format_report(report))
+            print(compile_check.format_report(report))
         sys.stdout.flush()
-        aot.check_fits(report, args.headroom)
+        compile_check.check_fits(report, args.headroom)
 
     cli.run_command(run, (ValueError, FileNotFoundError))
 

@@ -18,7 +18,7 @@ were evaluated. Outputs in --out: results.json, samples.jsonl (every completion 
 extracted answer and score) and table.txt.
 
 A checkpoint of a run of a task with built-in problems (the toy task) is evaluated on those
-(benchmark "toy"). The library is `sage_jax.eval.evaluate` and the job `sage_jax.jobs.evaluate`.
+(benchmark "toy"). The library is `sage_jax.eval.accuracy` and the job `sage_jax.jobs.eval_job`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sage_jax import cli, config as config_lib
-from sage_jax.jobs import evaluate as job
+from sage_jax.infra import cli
+from sage_jax import config as config_lib
+from sage_jax.jobs import eval_job as job
 from sage_jax.tasks.benchmarks import ALL_BENCHMARKS
 
 

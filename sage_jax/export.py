@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sage_jax import cli, config as config_lib
-from sage_jax.run import export
+from sage_jax.infra import cli
+from sage_jax import config as config_lib
+from sage_jax.run import hf_export as export
 
 
 def main(argv=None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`python -m sage_jax.sft [--out DIR] [--config FILE] [section.key=value ...]`: warm-starts the
 toy model on the toy task's SFT mix (settings `task.toy.*` of a run config) and saves it as a
 Hugging Face folder. `--out sage_jax/tasks/toy/toy_sft` regenerates the checkpoint shipped with the
-package. The SFT library is `sage_jax.engine.sft`.
+package. The SFT library is `sage_jax.engine.sft_step`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import argparse
 import logging
 from typing import Sequence
 
-from sage_jax import cli, config as config_lib
+from sage_jax.infra import cli
+from sage_jax import config as config_lib
 from sage_jax.tasks.toy import warm_start
 
 

@@ -4,7 +4,7 @@ Runs (or resumes: re-run the same command) one training run: data -> rollout (sa
 SAGE hints) -> batch -> jitted update, with orbax checkpoints, metrics (console progress,
 DIR/metrics.jsonl, TensorBoard when installed) and sample logs (DIR/samples.jsonl).
 With no arguments it runs the built-in default, the toy job of `sage_jax/configs/toy.yaml`, into
-a fresh `runs/` folder. The loop is `sage_jax.run.loop`, the jobs around it `sage_jax.jobs`.
+a fresh `runs/` folder. The loop is `sage_jax.run.loop`, the job around it `sage_jax.jobs.train_job`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import argparse
 import datetime
 from pathlib import Path
 
-from sage_jax import checkpoint, cli, config as config_lib, jobs
+from sage_jax.infra import checkpoint, cli
+from sage_jax import config as config_lib
+from sage_jax.jobs import train_job
 from sage_jax.run.loop import TrainingError
 
 
@@ -39,7 +41,7 @@ def parse(argv=None):
 def main(argv=None):
     def run():
         cfg, workdir = parse(argv)
-        return jobs.run(cfg, workdir)
+        return train_job.run(cfg, workdir)
 
     cli.run_command(run, (ValueError, FileNotFoundError, TrainingError, checkpoint.CheckpointError))
 

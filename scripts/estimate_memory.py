@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sage_jax import config as config_lib, models  # noqa: E402
 from sage_jax.models.presets import PRESETS  # noqa: E402
-from sage_jax.engine import aot, memory, sampling  # noqa: E402
+from sage_jax.engine import compile_check as aot, memory, sampling  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -55,17 +55,17 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def model_config(args, cfg) -> tuple[models.ModelConfig, str]:
+def model_config(args, cfg) -> tuple[models.DecoderConfig, str]:
     """(decoder dims, where they came from)."""
     if args.hf_config:
-        return models.ModelConfig.from_hf_dict(json.loads(Path(args.hf_config).read_text()),
+        return models.DecoderConfig.from_hf_dict(json.loads(Path(args.hf_config).read_text()),
                                                source=args.hf_config), args.hf_config
     if args.preset:
-        return models.ModelConfig.from_hf_dict(PRESETS[args.preset]), f"preset {args.preset}"
+        return models.DecoderConfig.from_hf_dict(PRESETS[args.preset]), f"preset {args.preset}"
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
-        return models.ModelConfig.from_hf_dir(cfg.model.path), cfg.model.path
+        return models.DecoderConfig.from_hf_dir(cfg.model.path), cfg.model.path
     if cfg.task.name == "toy" and not cfg.model.path:
-        from sage_jax.tasks import toy
+        from sage_jax.tasks.toy import chains as toy
         return toy.toy_model_config(), "the built-in toy model"
     raise SystemExit(f"model.path={cfg.model.path!r} has no config.json: pass --hf-config FILE "
                      f"or --preset {{{','.join(sorted(PRESETS))}}}")
@@ -157,7 +157,7 @@ def table(est, s, hbm_gib=None) -> str:
 
 
 def compiled_peaks(args, settings) -> dict:
-    """XLA's per-device peaks of the same run compiled for `args.xla` (`sage_jax.engine.aot`):
+    """XLA's per-device peaks of the same run compiled for `args.xla` (`sage_jax.engine.compile_check`):
     the train step's, and the largest rollout program's with the optimiser state resident."""
     mesh = settings["mesh"]
     cfg = config_lib.load_config(args.config, [*args.overrides, *(

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from flax import nnx  # noqa: E402
 
-from sage_jax.metrics import read_metrics  # noqa: E402
+from sage_jax.infra.metrics import read_metrics  # noqa: E402
 from sage_jax.run import restore  # noqa: E402
 
 ARGS = ["rl.method=sage", "rl.prompts_per_step=4", "rl.group_size=4", "rl.minibatches=2",

@@ -35,11 +35,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import toy_study_report as study  # noqa: E402
-from sage_jax import checkpoint, compile_cache, config  # noqa: E402
-from sage_jax.jobs import toy as toy_job  # noqa: E402
-from sage_jax.metrics import GROUPS_FILE, read_metrics  # noqa: E402
+from sage_jax.infra import checkpoint, compile_cache
+from sage_jax import config  # noqa: E402
+from sage_jax.jobs import toy_job  # noqa: E402
+from sage_jax.infra.metrics import GROUPS_FILE, read_metrics  # noqa: E402
 from sage_jax.run import build, loop, restore  # noqa: E402
-from sage_jax.tasks import toy  # noqa: E402
+from sage_jax.tasks.toy import chains as toy  # noqa: E402
 from sage_jax.tasks.toy import calibrate as toy_calibrate  # noqa: E402
 from sage_jax.tasks.toy import warm_start  # noqa: E402
 

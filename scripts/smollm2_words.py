@@ -26,10 +26,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from sage_jax import config as config_lib, metrics as metrics_lib, models, rewards
-from sage_jax.eval import evaluate as eval_lib
+from sage_jax import config as config_lib, models
+from sage_jax.infra import metrics as metrics_lib, rewards
+from sage_jax.eval import accuracy as eval_lib
 from sage_jax.run import build, loop, restore
-from sage_jax.tasks.words import plugin
+from sage_jax.tasks import words as plugin
 
 HERE = Path(__file__).resolve().parent
 EVAL_KEY = 4242

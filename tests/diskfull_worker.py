@@ -8,7 +8,8 @@ import resource
 import signal
 import sys
 
-from sage_jax import checkpoint, config, train
+from sage_jax.infra import checkpoint
+from sage_jax import config, train
 from sage_jax.run import loop
 
 ARGS = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16", "rl.minibatches=2",

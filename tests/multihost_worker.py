@@ -1,7 +1,7 @@
 """One process of tests/test_multihost.py: `python tests/multihost_worker.py WORKDIR REPORT`.
 
 The environment gives the cluster (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID,
-4 fake CPU devices each). Checks the host-side helpers of `sage_jax.distributed`, then trains the
+4 fake CPU devices each). Checks the host-side helpers of `sage_jax.infra.distributed`, then trains the
 toy task for two steps with `loop.train` (checkpoint at step 2), restores that checkpoint on
 all processes with the trainer's own restore path, and writes REPORT (JSON): the helpers'
 results, the process layout, the last metrics and a hash of every parameter.
@@ -17,7 +17,7 @@ import numpy as np
 
 from sage_jax.run import loop
 from sage_jax.run import restore
-from sage_jax import distributed
+from sage_jax.infra import distributed
 
 # rl.reward_timeout_s: a fresh reward worker imports the toy task (jax, flax) on its first answer,
 # which can take more than the default 5 s on a loaded 2-core machine.
@@ -71,7 +71,8 @@ class _LengthPool:
 def helpers() -> dict:
     """Results of the host-side helpers, run on every process."""
     import jax
-    from sage_jax import config, parallel
+    from sage_jax import config
+    from sage_jax.infra import parallel
 
     p = jax.process_index()
     out = {"process_index": p}

@@ -1,4 +1,4 @@
-"""Compile-only checks for hardware that is not here (`sage_jax.engine.aot`, `python -m
+"""Compile-only checks for hardware that is not here (`sage_jax.engine.compile_check`, `python -m
 sage_jax.aot`): a tiny decoder's train step and sampler programs compiled by the XLA TPU
 compiler for a v5e:2x2 slice (libtpu, `requirements-tpu.txt`) and by the XLA GPU compiler for
 4 A100s (`requirements-gpu-aot.txt`, in a venv of its own), their memory within a budget, the
@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sage_jax import config as config_lib, hardware, models, parallel
-from sage_jax.engine import aot, placement
+from sage_jax import config as config_lib, models
+from sage_jax.infra import hardware, parallel
+from sage_jax.engine import compile_check as aot, placement
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def tiny_cfg(*overrides):
 def report(request):
     fsdp, tensor = request.param
     cfg = tiny_cfg(f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}")
-    return cfg, aot.check_run(cfg, models.ModelConfig.from_hf_dict(TINY), "v5e:2x2",
+    return cfg, aot.check_run(cfg, models.DecoderConfig.from_hf_dict(TINY), "v5e:2x2",
                               keep_compiled=True)
 
 
@@ -101,7 +102,7 @@ def test_compiled_shardings_follow_the_partition_rules(report):
 
 
 def _shape_of(leaf: str) -> tuple:
-    dims = models.ModelConfig.from_hf_dict(TINY)
+    dims = models.DecoderConfig.from_hf_dict(TINY)
     d, f, v, hd = dims.hidden_size, dims.intermediate_size, dims.vocab_size, dims.head_dim
     n, k = dims.num_heads * hd, dims.num_kv_heads * hd
     table = {"embed_tokens": (v, d), "lm_head/kernel": (d, v), "q_proj/kernel": (d, n),
@@ -264,7 +265,7 @@ def test_the_fsdp_train_step_gathers_weights_not_rows():
     shards and token ids, never a float array of every device's rows (activations, logits):
     `models.decoder.keep_rows` pins the rows of matmul outputs to the devices that hold them."""
     cfg = tiny_cfg("mesh.fsdp=4")
-    dims = models.ModelConfig.from_hf_dict(dict(TINY, tie_word_embeddings=True))
+    dims = models.DecoderConfig.from_hf_dict(dict(TINY, tie_word_embeddings=True))
     r = aot.check_run(cfg, dims, devices=jax.devices()[:4], only=("train",), keep_compiled=True)
     text = r.programs[0].compiled.as_text()
     rows, length = 8, r.shapes.row_len  # a micro-batch's sequences, their columns

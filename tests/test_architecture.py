@@ -13,10 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sage_jax"
 
 # Low to high; a module may import only from its own layer or below. Matched by longest prefix.
 LAYERS = {
-    "sage_jax": 0, "sage_jax.config": 0, "sage_jax.checkpoint": 0, "sage_jax.metrics": 0, "sage_jax.report": 0,
-    "sage_jax.parallel": 0, "sage_jax.distributed": 0, "sage_jax.rewards": 0, "sage_jax.cli": 0,
-    "sage_jax.models": 0, "sage_jax.wandb_log": 0, "sage_jax.compile_cache": 0,
-    "sage_jax.host_memory": 0, "sage_jax.hardware": 0,
+    "sage_jax": 0, "sage_jax.config": 0, "sage_jax.infra": 0, "sage_jax.models": 0,
     "sage_jax.core": 1,
     "sage_jax.engine": 2,
     "sage_jax.tasks": 3,

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sage_jax.rewards import RewardPool, math_reward_checked, parse_answer
+from sage_jax.infra.rewards import RewardPool, math_reward_checked, parse_answer
 from sage_jax.tasks.benchmarks import (
     ALL_BENCHMARKS,
     BENCHMARKS,

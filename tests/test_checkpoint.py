@@ -11,12 +11,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import sage_jax.checkpoint as ckpt_lib
-from sage_jax.checkpoint import (
-    COMMIT_FILE,
-    Checkpointer,
-    CheckpointError,
-    CheckpointMismatchError,
+import sage_jax.infra.checkpoint as ckpt_lib
+from sage_jax.infra.checkpoint import (
+    COMMIT_FILE, Checkpointer, CheckpointError, CheckpointMismatchError,
 )
 
 

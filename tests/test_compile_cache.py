@@ -4,12 +4,13 @@ import os
 import subprocess
 import sys
 
-from sage_jax import compile_cache, config
+from sage_jax.infra import compile_cache
+from sage_jax import config
 
 
 def test_enable_makes_compiles_land_in_the_folder(tmp_path):
     folder = tmp_path / "xla"
-    code = ("import sys, jax, jax.numpy as jnp; from sage_jax import compile_cache; "
+    code = ("import sys, jax, jax.numpy as jnp; from sage_jax.infra import compile_cache; "
             "print(compile_cache.enable(sys.argv[1])); "
             "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()")
     env = {k: v for k, v in os.environ.items() if k != compile_cache.ENV}

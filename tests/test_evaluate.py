@@ -9,10 +9,11 @@ import pytest
 from flax import nnx
 
 import eval_fixtures
-from sage_jax.eval import evaluate as eval_lib
-from sage_jax import evaluate, models, rewards
-from sage_jax.rewards import extract_boxed
-from sage_jax.tasks import toy
+from sage_jax.eval import accuracy as eval_lib
+from sage_jax import evaluate, models
+from sage_jax.infra import rewards
+from sage_jax.infra.rewards import extract_boxed
+from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.benchmarks import Problem, load_benchmark
 
 

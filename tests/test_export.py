@@ -17,11 +17,12 @@ import shutil
 import yaml
 from flax import nnx
 
-from sage_jax import checkpoint, config, export, models, parallel
+from sage_jax.infra import checkpoint, parallel
+from sage_jax import config, export, models
 from sage_jax.engine import update
-from sage_jax.run import build, export as export_lib, restore
+from sage_jax.run import build, hf_export as export_lib, restore
 from sage_jax.tasks import data as data_lib
-from sage_jax.tasks.toy import calibrate, task as toy_task, warm_start
+from sage_jax.tasks.toy import calibrate, chains as toy_task, warm_start
 
 TOL = 2e-4  # float32 logits
 

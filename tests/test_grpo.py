@@ -163,7 +163,7 @@ def test_kl_k3_by_hand():
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = models.ModelConfig(family="qwen2", vocab_size=50, hidden_size=16, intermediate_size=32,
+    cfg = models.DecoderConfig(family="qwen2", vocab_size=50, hidden_size=16, intermediate_size=32,
                              num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qkv_bias=True)
     graphdef, params = models.split(models.Decoder(cfg, rngs=nnx.Rngs(3)))
     rng = np.random.default_rng(0)

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from sage_jax import host_memory
+from sage_jax.infra import host_memory
 
 CODE = """
 import sys
 import numpy as np
-from sage_jax import host_memory
+from sage_jax.infra import host_memory
 if sys.argv[1] == "1":
     assert host_memory.tune_malloc()
 def rss_mb():
@@ -54,7 +54,7 @@ def test_tune_malloc_can_be_turned_off(monkeypatch):
 
 TRIM = """
 import numpy as np
-from sage_jax import host_memory
+from sage_jax.infra import host_memory
 def rss_mb():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS"):

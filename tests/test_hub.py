@@ -12,7 +12,7 @@ import pytest
 
 import eval_fixtures
 from sage_jax import config, models, train
-from sage_jax.checkpoint import Checkpointer
+from sage_jax.infra.checkpoint import Checkpointer
 from sage_jax.models import hub
 from sage_jax.run import loop
 

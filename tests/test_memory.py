@@ -18,13 +18,14 @@ from flax import nnx
 from sage_jax.run import build
 from sage_jax.core import grpo
 from sage_jax.engine import memory, packing, sampling, update
-from sage_jax import models, parallel
+from sage_jax import models
+from sage_jax.infra import parallel
 from sage_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, RLConfig
 from sage_jax.config import TrainConfig
-from sage_jax.tasks import toy
+from sage_jax.tasks.toy import chains as toy
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = models.ModelConfig(family="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128,
+MODEL = models.DecoderConfig(family="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
 PROMPT, ANSWER, ROWS, MICRO, CHUNK = 16, 112, 16, 8, 64
 

@@ -11,10 +11,11 @@ from flax import nnx
 
 from sage_jax.run import loop
 from sage_jax.rl import batching, rollout
-from sage_jax import config, models, parallel
+from sage_jax import config, models
+from sage_jax.infra import parallel
 from sage_jax.core import grpo
 from sage_jax.engine import sampling, update
-from sage_jax.tasks import toy
+from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.data import Example
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]

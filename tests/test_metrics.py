@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sage_jax.metrics import MetricsLogger, Timer, read_metrics, to_json_value
+from sage_jax.infra.metrics import MetricsLogger, Timer, read_metrics, to_json_value
 
 
 def test_jsonl_content_and_conversions(tmp_path):

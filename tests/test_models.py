@@ -199,7 +199,7 @@ def _rewrite(path, edit):
 
 def test_missing_tensor_is_named(qwen2_dir):
     _rewrite(qwen2_dir, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
-    with pytest.raises(models.CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+    with pytest.raises(models.ModelFileError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
         models.from_hf(qwen2_dir)
 
 
@@ -207,7 +207,7 @@ def test_misshaped_tensor_is_named(qwen2_dir):
     def edit(t):
         t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:-1]
     _rewrite(qwen2_dir, edit)
-    with pytest.raises(models.CheckpointError, match=r"up_proj\.weight.*shape"):
+    with pytest.raises(models.ModelFileError, match=r"up_proj\.weight.*shape"):
         models.from_hf(qwen2_dir)
 
 

@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 from sage_jax.run import restore
-from sage_jax import distributed
-from sage_jax.metrics import read_metrics
+from sage_jax.infra import distributed
+from sage_jax.infra.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import models, parallel
+from sage_jax import models
+from sage_jax.infra import parallel
 from sage_jax.config import Config, DataConfig, MeshConfig, OptimConfig, RLConfig, TrainConfig
 from sage_jax.core import grpo
 from sage_jax.engine import packing, update
 
-MODEL = models.ModelConfig(family="llama", vocab_size=40, hidden_size=32, intermediate_size=64,
+MODEL = models.DecoderConfig(family="llama", vocab_size=40, hidden_size=32, intermediate_size=64,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
 PROMPT, ANSWER = 6, 14
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import models, parallel
+from sage_jax import models
+from sage_jax.infra import parallel
 from sage_jax.config import MeshConfig
 from sage_jax.engine import sampling
 from sage_jax.engine.select import select
@@ -30,7 +31,7 @@ def _small_row_buckets(monkeypatch):
 def _model(seed=0):
     """A tiny random decoder with large weights: its greedy continuations wander over many
     tokens instead of settling into a short loop, so EOS ids can end rows at chosen steps."""
-    cfg = models.ModelConfig(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64,
+    cfg = models.DecoderConfig(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     graphdef, params = nnx.split(models.Decoder(cfg, rngs=nnx.Rngs(seed)))
     return nnx.merge(graphdef, jax.tree.map(lambda x: x * 20.0 if x.ndim == 2 else x, params))
@@ -194,7 +195,7 @@ def test_the_decode_loop_updates_its_cache_in_place(case):
 def test_a_long_call_waits_for_the_device_a_few_times_not_every_few_tokens():
     """8,191 decode steps (no row ends: the EOS id is outside the vocabulary) in one segment per
     cache size: 32, 64, ..., 8192 slots, the first tokens included 10 host syncs, not 512."""
-    cfg = models.ModelConfig(family="llama", vocab_size=61, hidden_size=16, intermediate_size=32,
+    cfg = models.DecoderConfig(family="llama", vocab_size=61, hidden_size=16, intermediate_size=32,
                              num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
     model = models.Decoder(cfg, rngs=nnx.Rngs(0))
     long = 8192

@@ -1,4 +1,4 @@
-"""Tests for sage_jax.rewards: boxed extraction, math equivalence, the registry and RewardPool."""
+"""Tests for sage_jax.infra.rewards: boxed extraction, math equivalence, the registry and RewardPool."""
 
 from __future__ import annotations
 
@@ -10,20 +10,10 @@ import numpy as np
 import pytest
 from math_verify.errors import TimeoutException
 
-from sage_jax import rewards
-from sage_jax.rewards import (
-    MAX_BOXED_CHARS,
-    RewardPool,
-    RewardRejected,
-    RewardTimeout,
-    extract_boxed,
-    get_reward,
-    math_reward,
-    math_reward_checked,
-    normalize_answer,
-    register_reward,
-    reward_names,
-    score_batch,
+from sage_jax.infra import rewards
+from sage_jax.infra.rewards import (
+    MAX_BOXED_CHARS, RewardPool, RewardRejected, RewardTimeout, extract_boxed, get_reward,
+    math_reward, math_reward_checked, normalize_answer, register_reward, reward_names, score_batch,
 )
 
 HANG_GUARD_S = 30.0  # generous bound: only catches hangs, not slowness

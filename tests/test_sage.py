@@ -354,7 +354,7 @@ def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
     old_loss = np.concatenate([np.zeros_like(pmask[rows]), alive], 1)
     longest = max(len(out.prompts[r]) + n for r, n in zip(rows, out.samples.lengths.ravel()))
     assert batch["tokens_NxL"].shape[1] == sampling.length_bucket(longest)
-    cfg = models.ModelConfig(family="llama", vocab_size=128, hidden_size=32,
+    cfg = models.DecoderConfig(family="llama", vocab_size=128, hidden_size=32,
                              intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                              head_dim=8)
     graphdef, params = nnx.split(models.Decoder(cfg, rngs=nnx.Rngs(3)))

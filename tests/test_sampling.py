@@ -8,14 +8,15 @@ import torch
 from flax import nnx
 
 from hf_reference import TINY_CONFIGS, make_hf_model
-from sage_jax import models, parallel
+from sage_jax import models
+from sage_jax.infra import parallel
 from sage_jax.config import MeshConfig
 from sage_jax.engine import decode, placement, sampling
 
 
 def _tiny(vocab=97, seed=0, **kw):
     """A small random qwen2-shaped Decoder of our own (no checkpoint needed)."""
-    cfg = models.ModelConfig(family="qwen2", vocab_size=vocab, hidden_size=32,
+    cfg = models.DecoderConfig(family="qwen2", vocab_size=vocab, hidden_size=32,
                              intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                              head_dim=8, qkv_bias=True, **kw)
     return models.Decoder(cfg, rngs=nnx.Rngs(seed))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax.engine import sft
+from sage_jax.engine import sft_step as sft
 from sage_jax.models.decoder import Decoder
-from sage_jax.tasks import toy
+from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.toy import calibrate as toy_calibrate
 
 

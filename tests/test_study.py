@@ -12,7 +12,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import reproduce_toy  # noqa: E402
 from sage_jax.run import loop  # noqa: E402
-from sage_jax.metrics import read_metrics  # noqa: E402
+from sage_jax.infra.metrics import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

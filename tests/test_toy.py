@@ -7,7 +7,7 @@ import pytest
 
 from sage_jax.core import sage
 from sage_jax.models.char_tokenizer import CharTokenizer
-from sage_jax.tasks import toy
+from sage_jax.tasks.toy import chains as toy
 
 
 def _problems(n=20, spec=toy.ToySpec(1, toy.MAX_STEPS), seed=0):

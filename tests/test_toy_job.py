@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from sage_jax import jobs
+from sage_jax.jobs import train_job
 from sage_jax import config
-from sage_jax.metrics import read_metrics
-from sage_jax.jobs import toy as toy_job
+from sage_jax.infra.metrics import read_metrics
+from sage_jax.jobs import toy_job
 from sage_jax.tasks.toy import warm_start
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     cache = tmp_path / "cache"
     cfg = config.load_config(config.DEFAULT_CONFIG, SHRUNK + [f"task.toy.cache_dir={cache}"])
     run = tmp_path / "run"
-    jobs.run(cfg, run)
+    train_job.run(cfg, run)
     out = capsys.readouterr().out
     # warm start trained once and cached as a Hugging Face folder
     (cached,) = cache.iterdir()

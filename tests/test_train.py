@@ -12,8 +12,9 @@ from flax import nnx
 
 from sage_jax.run import loop
 from sage_jax.run import restore
-from sage_jax import checkpoint, config, rewards, train
-from sage_jax.metrics import read_metrics
+from sage_jax.infra import checkpoint, rewards
+from sage_jax import config, train
+from sage_jax.infra.metrics import read_metrics
 
 TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
         "hint.max_new_tokens=24", "rl.minibatches=2", "checkpoint.every=1", "checkpoint.keep=3",
@@ -213,7 +214,7 @@ def test_cli_unknown_key_names_the_closest(capsys):
 
 def test_sage_resamples_hinted_groups_with_the_real_sampler(tmp_path):
     """Dataset-column hints (hint.source=column): the escalation runs on the real model."""
-    from sage_jax.tasks import toy
+    from sage_jax.tasks.toy import chains as toy
     rows = [{"problem": p.text, "answer": p.answer, "solution": p.solution,
              "hint": toy.hint_payload(toy.reference_hints(p))}
             for p in toy.make_problems(16, toy.ToySpec(4, 6), seed=3)]

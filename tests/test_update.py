@@ -11,12 +11,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sage_jax.core import grpo
-from sage_jax import models, parallel
+from sage_jax import models
+from sage_jax.infra import parallel
 from sage_jax.engine import update
 from sage_jax.config import Config, MeshConfig, OptimConfig, RLConfig, TrainConfig
 from sage_jax.engine.state import TrainState
 
-MODEL = models.ModelConfig(family="qwen2", vocab_size=48, hidden_size=32, intermediate_size=64,
+MODEL = models.DecoderConfig(family="qwen2", vocab_size=48, hidden_size=32, intermediate_size=64,
                            num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
 PROMPT, ANSWER = 5, 6
 

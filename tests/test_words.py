@@ -12,8 +12,9 @@ from sage_jax.rl import rollout
 from sage_jax.run import build
 from sage_jax.tasks import registry
 from sage_jax.tasks.data import Example
-from sage_jax.tasks.words import plugin, problems as wp
-from sage_jax.tasks.words.task import WordsTask
+from sage_jax.tasks import words as plugin
+from sage_jax.tasks.words import problems as wp
+from sage_jax.tasks.words.prompts import WordsTask
 
 _EQ = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")
 

@@ -12,10 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from sage_jax import config as config_lib, metrics as metrics_lib, models
+from sage_jax import config as config_lib, models
+from sage_jax.infra import metrics as metrics_lib
 from sage_jax.rl import batching, rollout
 from sage_jax.run import build
-from sage_jax.tasks.words import plugin, problems as wp
+from sage_jax.tasks import words as plugin
+from sage_jax.tasks.words import problems as wp
 
 pytestmark = pytest.mark.slow
 

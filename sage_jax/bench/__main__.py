@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from sage_jax import host_memory
+from sage_jax.infra import host_memory
 
 
 def main(argv=None):

@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from sage_jax.rewards import extract_boxed, math_reward
+from sage_jax.infra.rewards import extract_boxed, math_reward
 
 LEVELS = (1, 2, 3)
 

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sage_jax import models, parallel
+from sage_jax import models
+from sage_jax.infra import parallel
 from sage_jax.engine import decode, placement, sampling, update
 from sage_jax.config import OptimConfig
 from sage_jax.engine.state import TrainState, master_params
@@ -122,7 +123,7 @@ def _itemsize(dtype) -> int:
     return jnp.dtype(dtype).itemsize
 
 
-def abstract_state(model_cfg: models.ModelConfig, *, param_dtype, compute_dtype,
+def abstract_state(model_cfg: models.DecoderConfig, *, param_dtype, compute_dtype,
                    master_fp32: bool, optimizer: str = "adamw") -> TrainState:
     """The `TrainState` that `update.init_train_state` builds, as ShapeDtypeStructs."""
     if optimizer != "adamw":
@@ -163,7 +164,7 @@ def tree_bytes(tree, mesh, itemsize: int | None = None, rules=parallel.PARTITION
     return total
 
 
-def kv_cache_bytes(cfg: models.ModelConfig, mesh, *, prompts: int, group_size: int,
+def kv_cache_bytes(cfg: models.DecoderConfig, mesh, *, prompts: int, group_size: int,
                    prompt_len: int, max_new_tokens: int, dtype) -> tuple[int, int]:
     """(cache bytes, largest transient) of `sampling.sample` for `prompts` prompts; see
     `Estimate.kv_cache` and `Estimate.sampler_work`."""
@@ -230,7 +231,7 @@ def _layer_weight_elems(cfg) -> int:
         1 if cfg.tie_word_embeddings else 2) - cfg.hidden_size) // cfg.num_layers
 
 
-def activation_terms(cfg: models.ModelConfig, mesh, *, rows_per_step: int,
+def activation_terms(cfg: models.DecoderConfig, mesh, *, rows_per_step: int,
                      micro_batch_rows: int, seq_len: int, compute_dtype, state_itemsize: int,
                      remat: bool, logprob_chunk: int | None) -> dict:
     """Bytes per device of the update step beyond the state and the gradient accumulator:
@@ -271,7 +272,7 @@ def activation_terms(cfg: models.ModelConfig, mesh, *, rows_per_step: int,
     }
 
 
-def estimate(model_cfg: models.ModelConfig, *, mesh_shape: dict, rows_per_step: int,
+def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step: int,
              micro_batch_rows: int | None, prompt_len: int, max_new_tokens: int,
              group_size: int = 8, minibatches: int = 2, param_dtype="bfloat16",
              compute_dtype="bfloat16", master_fp32: bool = True, remat: bool = True,

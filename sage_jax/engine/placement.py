@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sage_jax import parallel
+from sage_jax.infra import parallel
 
 SAMPLER_RULES = tuple((pattern, tuple(None if a == "fsdp" else a for a in axes))
                       for pattern, axes in parallel.PARTITION_RULES)

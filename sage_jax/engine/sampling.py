@@ -73,7 +73,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from sage_jax import distributed, parallel
+from sage_jax.infra import distributed, parallel
 from sage_jax.engine import decode, placement
 
 PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 24, 32, 48, 64, 96, 128, ...

@@ -41,7 +41,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sage_jax.core import grpo, sage
-from sage_jax import models, parallel
+from sage_jax import models
+from sage_jax.infra import parallel
 from sage_jax.engine import packing, sampling
 from sage_jax.engine.state import TrainState, master_params
 

@@ -1,17 +1,3 @@
-"""Jobs: what a command runs around the library. `run(cfg, workdir)` is `python -m sage_jax.train`:
-the task's default job where it has one (`JOBS`), else the plain training run."""
-
-from __future__ import annotations
-
-from sage_jax import compile_cache
-from sage_jax.jobs import toy
-from sage_jax.run import loop
-
-JOBS = {"toy": toy.run}  # task.name -> its default job (which falls back to loop.train itself)
-
-
-def run(cfg, workdir) -> dict:
-    """The training job of `cfg` in `workdir` (JAX's compilation cache in
-    `train.compile_cache`); returns the last step's metrics."""
-    compile_cache.enable(cfg.train.compile_cache)
-    return JOBS.get(cfg.task.name, loop.train)(cfg, workdir)
+"""Jobs: what a command runs around the library (`train_job` for `python -m sage_jax.train`,
+`eval_job` for `python -m sage_jax.evaluate`, `toy_job` the toy task's default job, `report` its
+summary)."""

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sage_jax.models.config import ModelConfig
-from sage_jax.parallel import ROWS
+from sage_jax.models.decoder_config import DecoderConfig
+from sage_jax.infra.parallel import ROWS
 
 _NEG = -1e30  # finite "minus infinity": a fully masked (padding) row stays finite
 # Causal self-attention (no cache) runs in query blocks that read only the keys up to their
@@ -52,7 +52,7 @@ class KVCache:
         return self.mask_BxS.shape[1]
 
 
-def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVCache:
+def init_cache(cfg: DecoderConfig, batch: int, size: int, dtype=jnp.float32) -> KVCache:
     """An empty cache of `size` slots per row."""
     shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
@@ -60,7 +60,7 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KV
                    mask_BxS=jnp.zeros((batch, size), bool), index=jnp.zeros((), jnp.int32))
 
 
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+def rope_inv_freq(cfg: DecoderConfig) -> jax.Array:
     """RoPE inverse frequencies [H/2] in float32, with llama3 scaling when configured."""
     h = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
@@ -157,7 +157,7 @@ def _attend(q_BxTxKxJxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS):
 class Attention(nnx.Module):
     """Grouped-query self-attention with optional q/k/v bias and Qwen3 q/k norm."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(dtype=dtype, cdtype=cdtype, rngs=rngs)
         self.q_proj = Linear(d, n * h, bias=cfg.qkv_bias, **kw)
@@ -199,7 +199,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
         kw = dict(bias=cfg.mlp_bias, dtype=dtype, cdtype=cdtype, rngs=rngs)
         self.gate_proj = Linear(d, f, **kw)
@@ -213,7 +213,7 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
                                        cdtype=cdtype)
         self.self_attn = Attention(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs)
@@ -269,7 +269,7 @@ def recompute_in_backward(f):
 class Decoder(nnx.Module):
     """Causal LM: embeddings, `num_layers` blocks, final norm, LM head (tied or not)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, compute_dtype=None,
+    def __init__(self, cfg: DecoderConfig, *, dtype=jnp.float32, compute_dtype=None,
                  rngs: nnx.Rngs | None = None, remat: bool = False):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         cdtype = compute_dtype or dtype

@@ -11,15 +11,15 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from sage_jax.models.hub import resolve as resolve_hub_path
-from sage_jax.models.config import ModelConfig
+from sage_jax.models.decoder_config import DecoderConfig
 from sage_jax.models.decoder import Decoder
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file is unreadable, or a tensor is missing, unexpected or has the wrong shape
-    or dtype; the message names the file and tensor."""
+class ModelFileError(ValueError):
+    """A model folder's safetensors file is unreadable, or a tensor is missing, unexpected or has
+    the wrong shape or dtype; the message names the file and tensor."""
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -37,19 +37,19 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def _open(file: Path, index: Path | None = None):
-    """safe_open of a safetensors file; an unreadable one is a CheckpointError naming it."""
+    """safe_open of a safetensors file; an unreadable one is a ModelFileError naming it."""
     if not file.is_file():
         where = f" (a shard listed in {index.name})" if index is not None else ""
-        raise CheckpointError(f"{file}: missing{where}")
+        raise ModelFileError(f"{file}: missing{where}")
     try:
         return safe_open(file, framework="flax")
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         shard = f", a shard listed in {index.name}" if index is not None else ""
-        raise CheckpointError(f"{file}{shard}: not a readable safetensors file (truncated or "
+        raise ModelFileError(f"{file}{shard}: not a readable safetensors file (truncated or "
                               f"corrupt: {str(e).strip().splitlines()[0]})") from None
 
 
-def hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
+def hf_names(cfg: DecoderConfig) -> dict[str, tuple[tuple, bool]]:
     """HF tensor name -> (our parameter path, whether the HF tensor is the transposed kernel)."""
     names: dict[str, tuple[tuple, bool]] = {"model.embed_tokens.weight": (("embed_tokens",), False),
                                             "model.norm.weight": (("norm", "weight"), False)}
@@ -81,7 +81,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: "
+            raise ModelFileError(f"{index}: not a safetensors index ({type(e).__name__}: "
                                   f"{e})") from None
         out = {name: path / file for name, file in weight_map.items()}
         for f in sorted(set(out.values())):
@@ -99,7 +99,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def _abstract_model(cfg: ModelConfig, dtype, compute_dtype):
+def _abstract_model(cfg: DecoderConfig, dtype, compute_dtype):
     return nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, compute_dtype=compute_dtype,
                                           rngs=nnx.Rngs(0)))
 
@@ -110,20 +110,20 @@ def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None) -> Decod
     `dtype` is the parameter dtype; `compute_dtype` defaults to it.
     """
     path = check_model_dir(path)
-    cfg = ModelConfig.from_hf_dir(path)
+    cfg = DecoderConfig.from_hf_dir(path)
     graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, compute_dtype))
     expected = hf_names(cfg)
     files = _tensor_files(path)
     unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if unexpected:
-        raise CheckpointError(f"{path}: unexpected tensors for {cfg.architecture}: "
+        raise ModelFileError(f"{path}: unexpected tensors for {cfg.architecture}: "
                               f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     flat = dict(nnx.to_flat_state(abstract))
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         if name not in files:
-            raise CheckpointError(f"{path}: missing tensor {name!r} for {cfg.architecture}")
+            raise ModelFileError(f"{path}: missing tensor {name!r} for {cfg.architecture}")
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
         with _open(file) as st:
@@ -133,14 +133,14 @@ def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None) -> Decod
                 try:
                     t = st.get_tensor(name)
                 except Exception as e:  # noqa: BLE001 - a truncated file fails here
-                    raise CheckpointError(f"{file}: tensor {name!r} does not read (truncated or "
+                    raise ModelFileError(f"{file}: tensor {name!r} does not read (truncated or "
                                           f"corrupt: {str(e).strip().splitlines()[0]})") from None
                 if not jnp.issubdtype(t.dtype, jnp.floating):
-                    raise CheckpointError(f"{file}: tensor {name!r} has dtype {t.dtype}, expected "
+                    raise ModelFileError(f"{file}: tensor {name!r} has dtype {t.dtype}, expected "
                                           f"a floating-point dtype")
                 t = t.T if transpose else t
                 if tuple(t.shape) != tuple(var.shape):
-                    raise CheckpointError(
+                    raise ModelFileError(
                         f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected "
                         f"{tuple(var.shape)} for {cfg.architecture}")
                 var.set_value(jnp.asarray(t, dtype=dtype))
@@ -154,7 +154,7 @@ def to_hf(model: Decoder, out_dir: str | Path, *, dtype=None) -> Path:
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg: ModelConfig = model.cfg
+    cfg: DecoderConfig = model.cfg
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = {}
     for name, (ours, transpose) in hf_names(cfg).items():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from sage_jax import distributed
+from sage_jax.infra import distributed
 from sage_jax.core import grpo
 from sage_jax.engine import sampling
 from sage_jax.rl.types import Rollout, Samples

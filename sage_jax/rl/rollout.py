@@ -23,7 +23,7 @@ import numpy as np
 
 from sage_jax.core import sage
 from sage_jax.core.sage import COLLAPSE_ALL_ONE, COLLAPSE_ALL_ZERO, COLLAPSE_MIXED
-from sage_jax.rewards import Scorer
+from sage_jax.infra.rewards import Scorer
 from sage_jax.rl.types import GroupSampler, Rollout, SageTables, Samples
 from sage_jax.tasks.base import Task
 from sage_jax.tasks.data import Example

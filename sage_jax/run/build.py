@@ -36,11 +36,11 @@ def load_model(cfg) -> models.Decoder:
     return model
 
 
-def model_dims(cfg) -> models.ModelConfig:
+def model_dims(cfg) -> models.DecoderConfig:
     """The policy's dimensions without its weights: model.path's config.json (of a hub id,
     that file alone is fetched), else the task's built-in model's."""
     if cfg.model.path:
-        return models.ModelConfig.from_hf_dir(models.hub.resolve(cfg.model.path,
+        return models.DecoderConfig.from_hf_dir(models.hub.resolve(cfg.model.path,
                                                                  config_only=True))
     return load_model(cfg).cfg
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from sage_jax import checkpoint, config as config_lib, distributed, metrics as metrics_lib
-from sage_jax import host_memory, parallel, rewards, wandb_log
-from sage_jax.engine import aot, sampling, update
-from sage_jax.eval import evaluate as eval_lib
+from sage_jax.infra import checkpoint, distributed, metrics as metrics_lib
+from sage_jax import config as config_lib
+from sage_jax.infra import host_memory, parallel, rewards, wandb_log
+from sage_jax.engine import compile_check, sampling, update
+from sage_jax.eval import accuracy as eval_lib
 from sage_jax.rl import batching, rollout
 from sage_jax.rl.types import Rollout
 from sage_jax.run import build
@@ -41,11 +42,11 @@ def check_fits(cfg, mesh) -> None:
 
 def aot_check(cfg, mesh, say=None) -> None:
     """train.aot_check: the step's programs compiled for `mesh`'s devices at the run's shapes
-    (no weights read); their table printed by `say`; `aot.DoesNotFit` when one does not fit."""
-    report = aot.check_run(cfg, build.model_dims(cfg), devices=list(mesh.devices.flat))
+    (no weights read); their table printed by `say`; `compile_check.DoesNotFit` when one does not fit."""
+    report = compile_check.check_run(cfg, build.model_dims(cfg), devices=list(mesh.devices.flat))
     if say:
-        say(aot.format_report(report))
-    aot.check_fits(report)
+        say(compile_check.format_report(report))
+    compile_check.check_fits(report)
 
 
 def step_metrics(ro: Rollout, max_new_tokens: int, eos_ids) -> dict[str, float]:

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sage_jax import checkpoint, config as config_lib, models
+from sage_jax.infra import checkpoint
+from sage_jax import config as config_lib, models
 from sage_jax.tasks import registry
 
 
@@ -32,11 +33,11 @@ def split_checkpoint_path(path: str | Path) -> tuple[Path, int | None]:
                             f"WORKDIR or WORKDIR/STEP of a `python -m sage_jax.train` run")
 
 
-def model_config(cfg) -> models.ModelConfig:
+def model_config(cfg) -> models.DecoderConfig:
     """The architecture of the run's policy: model.path's config.json, else the task's built-in
     model."""
     if cfg.model.path:
-        return models.ModelConfig.from_hf_dir(models.check_model_dir(cfg.model.path))
+        return models.DecoderConfig.from_hf_dir(models.check_model_dir(cfg.model.path))
     plugin = registry.plugin(cfg.task.name)
     if plugin.model_config is None:
         raise config_lib.ConfigError(f"task.name={cfg.task.name} needs model.path (a Hugging "

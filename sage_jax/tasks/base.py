@@ -77,7 +77,7 @@ class TaskPlugin:
     make_task(cfg, model_path, system_prompt) -> Task: `model_path` is the model folder whose
       tokenizer the prompts use (None: cfg.model.path); `system_prompt` overrides the task's
       answer system message where it has one (None: its default).
-    model_config(cfg) -> ModelConfig: the built-in model's architecture, used when model.path
+    model_config(cfg) -> DecoderConfig: the built-in model's architecture, used when model.path
       is empty (None: the task needs model.path).
     make_model(cfg, dtype, compute_dtype) -> Decoder: the built-in model at its starting point.
     examples(cfg) -> list[Example]: built-in training examples, used when data.train_files is

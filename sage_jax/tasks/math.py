@@ -9,7 +9,7 @@ from sage_jax.config import ConfigError
 from sage_jax.core.sage import LEVELS, leaks_answer
 from sage_jax.models.hf_io import check_model_dir
 from sage_jax.models.tokenizer import Tokenizer
-from sage_jax.rewards import extract_boxed, math_reward_checked
+from sage_jax.infra.rewards import extract_boxed, math_reward_checked
 from sage_jax.tasks.base import PayloadHints, TaskPlugin
 
 # SAGE's and Qwen-Math's evaluation instruction; training uses the same one.

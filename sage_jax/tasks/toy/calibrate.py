@@ -1,6 +1,6 @@
 """Warm start and calibration of the toy testbed.
 
-`warm_start` trains the toy model with `sage_jax.engine.sft` on the toy SFT mix and stops when the
+`warm_start` trains the toy model with `sage_jax.engine.sft_step` on the toy SFT mix and stops when the
 teacher-forced single-step accuracy (at temperature 1) reaches a target, so the policy starts RL
 where single steps are right about 85-90% of the time.
 
@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 from sage_jax.core import sage
-from sage_jax.engine import sampling, sft
+from sage_jax.engine import sampling, sft_step as sft
 from sage_jax.models.decoder import Decoder
-from sage_jax.tasks.toy import task as toy
+from sage_jax.tasks.toy import chains as toy
 
 SFT_DEFAULTS = dict(steps=6000, batch_size=32, lr=3e-3, warmup=50, target_step_acc=0.87,
                     eval_every=10, eval_per_length=8, bucket=32, short_max_steps=4,

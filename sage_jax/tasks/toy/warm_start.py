@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from sage_jax import models
-from sage_jax.tasks.toy import task as toy
+from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.toy import calibrate
 
 DESIGN_VERSION = 5  # bump when the toy task's formats or the SFT recipe change

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Callable, TypeVar
 
-from sage_jax import host_memory
+from sage_jax.infra import host_memory
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sage_jax.engine import sampling
-from sage_jax.rewards import Scorer
+from sage_jax.infra.rewards import Scorer
 from sage_jax.tasks.benchmarks import ALL_BENCHMARKS, BENCHMARKS, Problem, load_benchmark
 
 

@@ -31,12 +31,12 @@ def peers_module(peers_dir: str | Path | None = None):
     return mod
 
 
-def model_config(w: dict) -> models.ModelConfig:
-    """Our ModelConfig for a workload's "model" entry (Qwen2-shaped)."""
+def model_config(w: dict) -> models.DecoderConfig:
+    """Our DecoderConfig for a workload's "model" entry (Qwen2-shaped)."""
     m = w["model"]
     if m["arch"] != "qwen2":
         raise ValueError(f"workload arch {m['arch']!r} is not supported by the benchmark")
-    return models.ModelConfig(
+    return models.DecoderConfig(
         family="qwen2", vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
         intermediate_size=m["intermediate_size"], num_layers=m["num_layers"],
         num_heads=m["num_heads"], num_kv_heads=m["num_kv_heads"], head_dim=m["head_dim"],

@@ -144,7 +144,7 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> bool:
         if "before any JAX calls" in str(e) or "must be called before" in str(e):
             raise DistributedError(
                 "the environment asks for a multi-process run, but JAX was already used in "
-                "this process; call sage_jax.distributed.initialize_from_env() before any other "
+                "this process; call sage_jax.infra.distributed.initialize_from_env() before any other "
                 f"JAX call (or set {ENV_MODE}=0 for a single process). JAX said: {e}") from e
         raise
     except ValueError as e:  # auto-detection found nothing

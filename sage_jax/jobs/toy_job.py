@@ -17,11 +17,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from sage_jax import (config as config_lib, distributed, metrics as metrics_lib, parallel, report,
-                      wandb_log)
+from sage_jax import config as config_lib
+from sage_jax.infra import distributed, metrics as metrics_lib, parallel, wandb_log
+from sage_jax.jobs import report
 from sage_jax.engine import sampling
 from sage_jax.run import build, loop, restore
-from sage_jax.tasks.toy import calibrate, task as toy
+from sage_jax.tasks.toy import calibrate, chains as toy
 from sage_jax.tasks.toy.warm_start import spec
 
 EVAL_SEED = 30_000  # the held-out problems of the evaluation by difficulty

@@ -1,4 +1,4 @@
-"""ModelConfig: the decoder's hyper-parameters, read from and written to Hugging Face configs."""
+"""DecoderConfig: the decoder's hyper-parameters, read from and written to Hugging Face configs."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class DecoderConfig:
     """Decoder hyper-parameters for the Llama-3.x / Qwen2 / Qwen2.5 / Qwen3 family."""
 
     family: str  # "llama" | "qwen2" | "qwen3"
@@ -83,8 +83,8 @@ class ModelConfig:
     # ---- Hugging Face conversion -------------------------------------------------------------
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
-        """Builds a ModelConfig from a Hugging Face config.json dict."""
+    def from_hf_dict(cls, hf: dict[str, Any], *, source: str = "config.json") -> "DecoderConfig":
+        """Builds a DecoderConfig from a Hugging Face config.json dict."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:
@@ -131,7 +131,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_hf_dir(cls, path: str | Path) -> "DecoderConfig":
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")

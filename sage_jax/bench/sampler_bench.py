@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from sage_jax import models
-from sage_jax.bench import real, update as update_bench
-from sage_jax.bench.common import build_model, peers_module
+from sage_jax.bench import real, update_bench
+from sage_jax.bench.workloads import build_model, peers_module
 from sage_jax.engine import sampling
 
 

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jcore
 
-from sage_jax import hardware, models, parallel
+from sage_jax.infra import hardware, parallel
+from sage_jax import models
 from sage_jax.engine import decode, placement, sampling, update
 from sage_jax.engine.state import TrainState
 
@@ -201,7 +202,7 @@ def _with(tree, shardings):
 
 # ---- the abstract run -------------------------------------------------------------------------
 
-def abstract_model(model_cfg: models.ModelConfig, cfg) -> tuple:
+def abstract_model(model_cfg: models.DecoderConfig, cfg) -> tuple:
     """(graphdef, abstract params in the model dtype) of the run's decoder (`model.remat` set)."""
     dt, cdt = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
     model = nnx.eval_shape(lambda: models.Decoder(model_cfg, dtype=dt, compute_dtype=cdt,
@@ -404,7 +405,7 @@ def _decode_calls(progs: list[Program], steps: dict[int, int]) -> None:
     q1.flops, q1.bytes_per_call = flops / max(total, 1), int(bytes_ / max(total, 1))
 
 
-def check_run(cfg, model_cfg: models.ModelConfig, topology: str | None = None, *,
+def check_run(cfg, model_cfg: models.DecoderConfig, topology: str | None = None, *,
               devices=None, prompt_len: int | None = None, all_buckets: bool = False,
               only: tuple[str, ...] = ("train", "rollout", "hint"), log=None,
               keep_compiled: bool = False) -> Report:

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import config as config_lib, models, parallel
-from sage_jax.bench import common, real
+from sage_jax import config as config_lib, models
+from sage_jax.infra import parallel
+from sage_jax.bench import workloads as common, real
 from sage_jax.engine import sampling, update
 
 MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch

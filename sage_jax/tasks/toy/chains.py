@@ -66,7 +66,7 @@ from typing import Sequence
 import numpy as np
 
 from sage_jax.models.char_tokenizer import CharTokenizer
-from sage_jax.models.config import ModelConfig
+from sage_jax.models.decoder_config import DecoderConfig
 from sage_jax.core.sage import LEVELS
 from sage_jax.tasks.base import PayloadHints
 from sage_jax.tasks.benchmarks import Problem
@@ -430,7 +430,7 @@ def sft_examples(n: int, *, task: ToyTask | None = None, spec: ToySpec = SFT_SPE
 
 # ---- the toy model --------------------------------------------------------------------------
 
-def toy_model_config(**overrides) -> ModelConfig:
+def toy_model_config(**overrides) -> DecoderConfig:
     """A Llama-style decoder at toy size over the char vocabulary (about 0.8M parameters)."""
     tok = CharTokenizer()
     cfg = dict(family="llama", vocab_size=tok.vocab_size, hidden_size=128,
@@ -439,4 +439,4 @@ def toy_model_config(**overrides) -> ModelConfig:
                max_position_embeddings=512, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                pad_token_id=tok.pad_id)
     cfg.update(overrides)
-    return ModelConfig(**cfg)
+    return DecoderConfig(**cfg)

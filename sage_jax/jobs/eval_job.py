@@ -14,8 +14,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sage_jax import models, rewards
-from sage_jax.eval import evaluate as eval_lib
+from sage_jax import models
+from sage_jax.infra import rewards
+from sage_jax.eval import accuracy as eval_lib
 from sage_jax.run import restore
 from sage_jax.tasks import registry
 from sage_jax.tasks.benchmarks import BENCHMARKS

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from sage_jax import models
-from sage_jax.engine import sft
+from sage_jax.engine import sft_step as sft
 from sage_jax.models.hf_io import check_model_dir
 from sage_jax.tasks.words import problems as wp
-from sage_jax.tasks.words.task import WordsTask
+from sage_jax.tasks.words.prompts import WordsTask
 
 DESIGN_VERSION = 1  # bump when the prompts, the problems or the SFT recipe change
 WARMUP_STEPS = 10

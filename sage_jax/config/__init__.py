@@ -1,0 +1,23 @@
+"""The run configuration: the schema (`schema.py`) and its strict loader (`loader.py`).
+
+`from sage_jax import config` gives both modules' public names: `config.load_config(...)`,
+`config.Config`, `config.ConfigError`, ...
+"""
+
+from sage_jax.config.loader import (
+    CONFIG_DIR, DEFAULT_CONFIG, apply_overrides, from_dict, load_config, resolve_config_path,
+    save_config, to_dict, to_yaml,
+)
+from sage_jax.config.schema import (
+    PAPER_BENCHMARKS, CheckpointConfig, Config, ConfigError, DataConfig, DType, EvalConfig,
+    HintConfig, LoggingConfig, MeshConfig, ModelConfig, OptimConfig, RLConfig, TaskConfig,
+    ToyConfig, TrainConfig, WordsConfig,
+)
+
+__all__ = [
+    "CONFIG_DIR", "DEFAULT_CONFIG", "apply_overrides", "from_dict", "load_config",
+    "resolve_config_path", "save_config", "to_dict", "to_yaml",
+    "PAPER_BENCHMARKS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DType",
+    "EvalConfig", "HintConfig", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimConfig",
+    "RLConfig", "TaskConfig", "ToyConfig", "TrainConfig", "WordsConfig",
+]
