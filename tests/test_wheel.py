@@ -1,8 +1,10 @@
-"""The package works installed from a wheel, away from the checkout: its configs and the toy
-warm start ship inside it, so `python -m sage_jax.train` runs the default job from any folder."""
+"""The package works installed from a wheel, away from the checkout: its configs, the toy warm
+start and the benchmark workloads ship inside it, so `python -m sage_jax.train` runs the default
+job, and `python -m sage_jax.bench` times the sampler, from any folder (no ../shared)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import site
@@ -56,9 +58,10 @@ def installed(tmp_path_factory):
     return python, work
 
 
-def _run(installed, *args, timeout=600):
+def _run(installed, *args, timeout=600, **env_vars):
     python, work = installed
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user has
+    env.update(env_vars)
     return subprocess.run([str(python), "-m", *args], cwd=work, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -80,3 +83,13 @@ def test_a_one_step_toy_run_from_an_installed_wheel(installed):
     assert "warm start: the shipped SFT model" in got.stdout
     assert (installed[1] / "run" / "checkpoints" / "1").is_dir()
     assert (installed[1] / "run" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_the_sampler_benchmark_runs_from_an_installed_wheel(installed):
+    assert not (installed[1].parent / "shared").exists()
+    got = _run(installed, "sage_jax.bench", "sampler", "--workload", "tiny", "--json",
+               PEERS_QUIET_WAIT_S="0", PEERS_MAX_RETRIES="0")
+    assert got.returncode == 0, got.stderr[-3000:]
+    rec = json.loads(got.stdout.strip().splitlines()[-1])
+    assert rec["peer"] == "sage_jax" and rec["workload"] == "tiny" and rec["batch"] == 128
+    assert rec["tokens_per_s"] > 0 and rec["host_syncs"] >= 1

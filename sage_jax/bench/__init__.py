@@ -1,1 +1,2 @@
-"""Benchmarks on the shared peer workloads: `python -m sage_jax.bench {sampler,update}`."""
+"""Benchmarks on fixed workloads, beside the peers' (tunix, transformers, vLLM):
+`python -m sage_jax.bench {sampler,update}`."""

@@ -2,9 +2,9 @@
 
 Times `update.make_train_step` on the workload's model: forward + backward + AdamW over
 num_prompts * samples_per_prompt rows of prompt_len + max_new_tokens tokens, one optimiser step
-(minibatches=1), old log-probs given (computed once beforehand, not timed). Uses the peers'
-prompts, quiet-machine wait, warm-up and median timing (`_common.time_calls`) and JSON schema
-(`_common.emit`, peer "sage_jax-update"); tokens_per_s counts prompt + answer tokens, as the
+(minibatches=1), old log-probs given (computed once beforehand, not timed). Uses the workload's
+prompts, the quiet-machine wait, warm-up and median timing (`protocol.time_calls`) and the JSON
+record (`protocol.emit`, peer "sage_jax-update"); tokens_per_s counts prompt + answer tokens, as the
 tunix GRPO-step peer does. Also reports the step's model FLOP/s next to a plain matmul's, and
 tokens/s per core this process got (`cpu_during_timed.own_cores`), for contended machines.
 
@@ -32,7 +32,7 @@ import numpy as np
 
 from sage_jax import config as config_lib, models
 from sage_jax.infra import parallel
-from sage_jax.bench import workloads as common, real
+from sage_jax.bench import protocol, random_model, real, workloads
 from sage_jax.engine import sampling, update
 
 MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch
@@ -66,21 +66,21 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / statistics.median(times)
 
 
-def _synthetic_rows(pc, w):
+def _synthetic_rows(w, data_dir=None):
     """(model, tokens_NxL, mask_NxL, loss_mask_NxL): random prompts and answers, no padding."""
     s = w["sampling"]
     g, p, t = s["samples_per_prompt"], s["prompt_len"], s["max_new_tokens"]
     rng = np.random.default_rng(w["timing"].get("seed", 0))
-    prompts = np.repeat(pc.make_prompts(w), g, axis=0)
+    prompts = np.repeat(workloads.make_prompts(w), g, axis=0)
     answers = rng.integers(1, w["model"]["vocab_size"], (len(prompts), t))
     tokens = np.concatenate([prompts, answers], axis=1).astype(np.int32)
     loss_mask = np.arange(p + t)[None].repeat(len(tokens), 0) >= p
-    return common.build_model(w), tokens, np.ones(tokens.shape, bool), loss_mask
+    return random_model.build_model(w), tokens, np.ones(tokens.shape, bool), loss_mask
 
 
-def _real_rows(pc, w):
+def _real_rows(w, data_dir=None):
     """The same from the sampler's greedy answers to the real workload's prompts."""
-    model, prompts, eos, _ = real.load(pc, w)
+    model, prompts, eos = real.load(w, data_dir)
     s = w["sampling"]
     graphdef, params = models.split(model)
     tok, mask = sampling.left_pad(prompts, max(map(len, prompts)), eos)
@@ -100,11 +100,11 @@ def _real_rows(pc, w):
 
 
 def run(args) -> None:
-    pc = common.peers_module(args.peers_dir)
-    w = pc.load_workload(args.workload)
+    w = workloads.load_workload(args.workload)
     s = w["sampling"]
-    is_real = "model_dir_env" in w["model"]
-    model, tokens, mask, loss_mask = (_real_rows if is_real else _synthetic_rows)(pc, w)
+    is_real = workloads.is_real(w)
+    model, tokens, mask, loss_mask = (_real_rows if is_real else _synthetic_rows)(
+        w, args.data_dir)
     (rows, seq), t = tokens.shape, s["max_new_tokens"]
     micro = min(MICRO_BATCH, rows)
     group = max(2, s["samples_per_prompt"])  # (the step itself takes the advantages as given)
@@ -143,10 +143,10 @@ def run(args) -> None:
         if not np.isfinite(losses[-1]) or not np.isfinite(float(metrics["grad_norm"])):
             raise RuntimeError(f"non-finite loss or grad norm: {metrics}")
 
-    warm, times = pc.time_calls(call, w)
+    timing = protocol.time_calls(call, w)
     flops = model_flops(w, rows, seq) if not is_real else None
     mm = matmul_flops_per_s()
-    med = statistics.median(times)
+    med = timing.median_s
     extra = {
         "metric": "real (prompt+answer) tokens per second of one jitted GRPO update step "
                   "(fwd+bwd+AdamW, old log-probs given)",
@@ -158,17 +158,17 @@ def run(args) -> None:
         "micro_batch_size": micro, "logits_chunk": CHUNK, "remat_logits": REMAT,
         "devices": len(jax.devices()), "matmul_flops_per_s": round(mm, 1),
         "tokens_per_s_per_own_core": round(
-            real_tokens / med / max(pc.LAST_CPU.get("own_cores") or 1.0, 0.01), 1),
+            real_tokens / med / max(timing.cpu.get("own_cores") or 1.0, 0.01), 1),
         "losses": [round(x, 6) for x in losses],
         "versions": {"jax": jax.__version__},
     }
     if flops is not None:
         extra.update(model_flops_per_step=flops, model_flops_per_s=round(flops / med, 1),
                      model_flops_vs_matmul=round(flops / med / mm, 3))
-    rec = pc.emit("sage_jax-update", args.workload, w, warm, times, extra=extra,
+    rec = protocol.emit("sage_jax-update", args.workload, w, timing, extra=extra,
                   tokens_per_call=real_tokens) if args.json else None
     if not args.json:
-        pc.log(f"update {args.workload}: {real_tokens / med:,.0f} real tokens/s, median "
+        protocol.log(f"update {args.workload}: {real_tokens / med:,.0f} real tokens/s, median "
                f"{med:.3f}s, padding {1 - real_tokens / slots:.1%}, peak RSS "
-               f"{pc.peak_rss_mb():,.0f} MB, matmul {mm / 1e9:.1f} GFLOP/s")
+               f"{protocol.peak_rss_mb():,.0f} MB, matmul {mm / 1e9:.1f} GFLOP/s")
     return rec
