@@ -364,6 +364,13 @@ class RewardPool:
         old.conn.close()
         self._workers[slot] = self._start_worker()
 
+    def warm_up(self, timeout_s: float = 120.0) -> None:
+        """Waits until every worker has imported the reward's module (a task's may pull in jax),
+        by scoring one empty answer per worker, so that the import does not eat the timeout of
+        the first real answers."""
+        n = 2 * self.num_workers
+        self.score([""] * n, [""] * n, timeout_s=max(timeout_s, self.timeout_s))
+
     def score(self, responses: Sequence[str], ground_truths: Sequence[str], *,
               fn: RewardFn | str | None = None,
               timeout_s: float | None = None) -> tuple[np.ndarray, dict[str, int]]:
