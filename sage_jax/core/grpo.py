@@ -12,6 +12,7 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 LOG_RATIO_CLAMP = 20.0  # |log pi_new - log pi_old| is clamped to this before exp (as verl does).
@@ -19,7 +20,8 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADV_SCALES = ("group", "batch", "none")
 
 
-def group_advantages(rewards_BxG: jax.Array, *, scale: str = "group", eps: float = 1e-6):
+def group_advantages(rewards_BxG: jax.Array | np.ndarray, *, scale: str = "group",
+                     eps: float = 1e-6) -> jax.Array:
     """One advantage per answer: (r - group mean) / (std + eps), float32 [B, G].
 
     scale: "group" = std of each group, "batch" = one std over all B*G rewards, "none" = no
@@ -60,10 +62,13 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
         d = jnp.maximum(jnp.sum(m), 1.0) if denom is None else denom
         return jnp.sum(masked) / d
     if row_len_NxT is not None:
-        if denom is None or norm_len is None and agg == "seq-mean-token-sum-norm":
-            raise ValueError("aggregate over packed rows (row_len_NxT) needs denom and norm_len")
+        packed_needs = "aggregate over packed rows (row_len_NxT) needs denom and norm_len"
+        if denom is None:
+            raise ValueError(packed_needs)
         if agg == "seq-mean-token-mean":
             return jnp.sum(masked / jnp.maximum(row_len_NxT, 1.0)) / denom
+        if norm_len is None:  # seq-mean-token-sum-norm
+            raise ValueError(packed_needs)
         return jnp.sum(masked) / norm_len / denom
     count_N = jnp.sum(m, axis=1)
     if agg == "seq-mean-token-mean":

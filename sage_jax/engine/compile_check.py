@@ -33,12 +33,15 @@ import dataclasses
 import math
 import re
 import time
+from typing import Callable, cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jcore
+from jax.sharding import Mesh, Sharding
 
+from sage_jax.config import Config
 from sage_jax.infra import hardware, parallel
 from sage_jax import models
 from sage_jax.engine import decode, placement, sampling, update
@@ -67,13 +70,13 @@ class RunShapes:
     hint_tokens: int
 
 
-def writes_hints(cfg) -> bool:
+def writes_hints(cfg: Config) -> bool:
     """Whether the policy writes hints during the run (SAGE methods, online/offline source)."""
     return cfg.rl.method in ("sage", "sage_light") and cfg.hint.source in (
         "online", "offline", "auto")
 
 
-def run_shapes(cfg, prompt_len: int | None = None) -> RunShapes:
+def run_shapes(cfg: Config, prompt_len: int | None = None) -> RunShapes:
     """`RunShapes` of `cfg`; `prompt_len`: the longest rendered prompt the rollout samples
     (default data.max_prompt_tokens), to which hinted prompts add hint.max_new_tokens. The
     update's rows are the trainer's packed width (`update.row_len`)."""
@@ -103,7 +106,8 @@ class Program:
     calls: float = 1.0  # per step in the worst case (a decode segment: steps)
     roofline_s: float = 0.0  # per step, all its calls
     error: str | None = None  # the compiler's out-of-memory message
-    compiled: object = dataclasses.field(default=None, repr=False, compare=False)
+    compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False,
+                                                             compare=False)
 
     @property
     def peak(self) -> int:
@@ -202,7 +206,7 @@ def _with(tree, shardings):
 
 # ---- the abstract run -------------------------------------------------------------------------
 
-def abstract_model(model_cfg: models.DecoderConfig, cfg) -> tuple:
+def abstract_model(model_cfg: models.DecoderConfig, cfg: Config) -> tuple:
     """(graphdef, abstract params in the model dtype) of the run's decoder (`model.remat` set)."""
     dt, cdt = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
     model = nnx.eval_shape(lambda: models.Decoder(model_cfg, dtype=dt, compute_dtype=cdt,
@@ -210,14 +214,14 @@ def abstract_model(model_cfg: models.DecoderConfig, cfg) -> tuple:
     return models.split(model)
 
 
-def abstract_state(params, cfg, mesh) -> TrainState:
+def abstract_state(params, cfg: Config, mesh: Mesh) -> TrainState:
     """The run's `TrainState` (params as the trainer keeps them, AdamW of `cfg.optim`), as
     ShapeDtypeStructs placed by the partition rules."""
     state = jax.eval_shape(lambda p: update.new_state(p, cfg), params)
     return _with(state, parallel.tree_shardings(state, mesh))
 
 
-def abstract_batch(cfg, shapes: RunShapes, mesh) -> dict:
+def abstract_batch(cfg: Config, shapes: RunShapes, mesh: Mesh) -> dict:
     """The update's packed batch at its worst: every row alone in a sequence of L columns."""
     n, length = shapes.prompts * shapes.group, shapes.row_len
     rows = parallel.rows_sharding(mesh)
@@ -234,18 +238,25 @@ def abstract_batch(cfg, shapes: RunShapes, mesh) -> dict:
     return batch
 
 
-def decode_state(model_cfg, lay, b: int, g: int, p: int, s: int, dtype):
+def decode_state(model_cfg: models.DecoderConfig, lay: placement.Layout, b: int, g: int, p: int,
+                 s: int, dtype) -> decode.DecodeState:
     """An abstract `decode.DecodeState` of b groups of g rows, p prompt columns, s cache slots."""
     r, kv, hd, nl = b * g, model_cfg.num_kv_heads, model_cfg.head_dim, model_cfg.num_layers
     rows, kvs = placement.spec(lay), placement.spec(lay, kv_dim=1)
     layers = lambda shape: tuple(_abstract(shape, dtype, kvs) for _ in range(nl))  # noqa: E731
     return decode.DecodeState(
         prompt_k=layers((b, kv, hd, p)), prompt_v=layers((b, kv, p, hd)),
-        prompt_mask_BxP=_abstract((b, p), jnp.bool_, rows),
+        prompt_mask_BxP=_stand_in((b, p), jnp.bool_, rows),
         gen_k=layers((b, kv, g, hd, s)), gen_v=layers((b, kv, g, s, hd)),
-        pos0_R=_abstract((r,), jnp.int32, rows), keys_R=_abstract((r, 2), jnp.uint32, rows),
-        last_R=_abstract((r,), jnp.int32, rows), done_R=_abstract((r,), jnp.bool_, rows),
-        lengths_R=_abstract((r,), jnp.int32, rows))
+        pos0_R=_stand_in((r,), jnp.int32, rows), keys_R=_stand_in((r, 2), jnp.uint32, rows),
+        last_R=_stand_in((r,), jnp.int32, rows), done_R=_stand_in((r,), jnp.bool_, rows),
+        lengths_R=_stand_in((r,), jnp.int32, rows))
+
+
+def _stand_in(shape, dtype, sharding: Sharding) -> jax.Array:
+    """`_abstract` where a pytree field is typed `jax.Array`: jit traces and lowers a
+    ShapeDtypeStruct in an array's place, as the array it describes."""
+    return cast(jax.Array, _abstract(shape, dtype, sharding))
 
 
 # ---- compiling --------------------------------------------------------------------------------
@@ -288,12 +299,14 @@ def _roofline(prog: Program, chip: hardware.Chip, devices: int) -> None:
     prog.roofline_s = per_call * prog.calls
 
 
-def train_program(graphdef, state, cfg, mesh, shapes: RunShapes) -> Program:
+def train_program(graphdef, state: TrainState, cfg: Config, mesh: Mesh, shapes: RunShapes
+                  ) -> Program:
     step = update.TrainStep(graphdef, cfg, mesh)
     return compile_one("train_step", step.jitted(state), (state, abstract_batch(cfg, shapes, mesh)))
 
 
-def sampler_programs(prefix: str, graphdef, params, model_cfg, cfg, mesh, *, prompts: int,
+def sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderConfig,
+                     cfg: Config, mesh: Mesh, *, prompts: int,
                      group: int, prompt_len: int, max_new_tokens: int, temperature: float,
                      optimizer_bytes: int, all_buckets: bool = False, passes: int = 1
                      ) -> list[Program]:
@@ -309,8 +322,10 @@ def sampler_programs(prefix: str, graphdef, params, model_cfg, cfg, mesh, *, pro
     return progs
 
 
-def _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, *, prompts, group,
-                      prompt_len, max_new_tokens, temperature, optimizer_bytes, all_buckets):
+def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderConfig,
+                      cfg: Config, mesh: Mesh, *, prompts: int, group: int, prompt_len: int,
+                      max_new_tokens: int, temperature: float, optimizer_bytes: int,
+                      all_buckets: bool) -> list[Program]:
     fine = sampling.fine_buckets(model_cfg.num_params())
     b, p = sampling.batch_bucket(prompts), sampling.prompt_bucket(prompt_len, fine=fine)
     st = sampling._Static(num_samples=group, max_new_tokens=max_new_tokens,
@@ -326,6 +341,7 @@ def _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, *, prompts
     progs.append(prefill)
     if prefill.error:
         return progs
+    assert prefill.compiled is not None  # compile_one keeps what compiled
     logits, prompt_k, prompt_v = prefill.compiled.out_info
     steps = sampling.slot_schedule(max_new_tokens, bool(st.eos_ids))
     cap0 = min(steps)
@@ -405,16 +421,18 @@ def _decode_calls(progs: list[Program], steps: dict[int, int]) -> None:
     q1.flops, q1.bytes_per_call = flops / max(total, 1), int(bytes_ / max(total, 1))
 
 
-def check_run(cfg, model_cfg: models.DecoderConfig, topology: str | None = None, *,
-              devices=None, prompt_len: int | None = None, all_buckets: bool = False,
-              only: tuple[str, ...] = ("train", "rollout", "hint"), log=None,
-              keep_compiled: bool = False) -> Report:
+def check_run(cfg: Config, model_cfg: models.DecoderConfig, topology: str | None = None, *,
+              devices: list | None = None, prompt_len: int | None = None,
+              all_buckets: bool = False, only: tuple[str, ...] = ("train", "rollout", "hint"),
+              log: Callable[[str], None] | None = None, keep_compiled: bool = False) -> Report:
     """Compiles the run's programs (see the module docstring) for `topology` (compile-only
     devices; or `devices`, e.g. real ones) and returns the `Report`. `only` picks program
     families; `log(line)` hears each program as it compiles; `keep_compiled` keeps each
     program's `jax.stages.Compiled` (else dropped: they hold the executables)."""
     topo = hardware.parse(topology) if topology else None
     if devices is None:
+        if topo is None:
+            raise ValueError("check_run needs a topology or devices")
         devices = hardware.compile_devices(topo)
     chip = topo.chip if topo else hardware.chip_of(devices[0])
     mesh = parallel.make_mesh(cfg.mesh, devices=devices)
@@ -433,13 +451,13 @@ def check_run(cfg, model_cfg: models.DecoderConfig, topology: str | None = None,
             if log:
                 log(format_row(q, chip))
 
-    kw = dict(optimizer_bytes=opt_bytes, all_buckets=all_buckets)
     if "rollout" in only:
         add(sampler_programs("rollout", graphdef, state.params, model_cfg, cfg, mesh,
                              prompts=shapes.sample_prompts, group=shapes.group,
                              passes=-(-shapes.prompts // shapes.sample_prompts),
                              prompt_len=shapes.prompt_len, max_new_tokens=shapes.max_new_tokens,
-                             temperature=cfg.rl.temperature, **kw))
+                             temperature=cfg.rl.temperature, optimizer_bytes=opt_bytes,
+                             all_buckets=all_buckets))
     if "hint" in only and shapes.hint_prompts:
         per_call = min(shapes.hint_prompts, cfg.rl.rollout_micro_batch_size or shapes.prompts)
         add(sampler_programs("hint", graphdef, state.params, model_cfg, cfg, mesh,
@@ -447,7 +465,8 @@ def check_run(cfg, model_cfg: models.DecoderConfig, topology: str | None = None,
                              passes=-(-shapes.hint_prompts // per_call),
                              prompt_len=shapes.hint_request_len,
                              max_new_tokens=shapes.hint_tokens,
-                             temperature=cfg.hint.temperature, **kw))
+                             temperature=cfg.hint.temperature, optimizer_bytes=opt_bytes,
+                             all_buckets=all_buckets))
     if "train" in only:
         add(train_program(graphdef, state, cfg, mesh, shapes))
     if not keep_compiled:

@@ -46,8 +46,7 @@ PREFILL_SCORES_BYTES = 1 << 30  # prefill in chunks of prompts above ~1 GiB of a
 TRACE_COUNTS = {"prefill": 0, "start": 0, "decode": 0, "regroup": 0}
 
 
-@flax.struct.dataclass
-class DecodeState:
+class DecodeState(flax.struct.PyTreeNode):
     """What decoding carries from one segment to the next.
 
     prompt_k, prompt_v: per layer [B, K, H, P] and [B, K, P, H] (keys stored transposed, so
@@ -285,6 +284,7 @@ def regroup_layer(lay, cap: int, gen_k, gen_v, prompt_k=None, prompt_v=None, ind
     gen_v = jnp.pad(gen_v, ((0, 0),) * 3 + ((0, grow), (0, 0)))
     if index_R is None:
         return placement.on(lay, (gen_k, gen_v), kv_dim=1)
+    assert prompt_k is not None and prompt_v is not None, "index_R needs prompt_k, prompt_v"
     b_R, g_R = index_R // gen_v.shape[2], index_R % gen_v.shape[2]
     prompt_k, prompt_v = jnp.take(prompt_k, b_R, axis=0), jnp.take(prompt_v, b_R, axis=0)
     gen_k, gen_v = gen_k[b_R, :, g_R][:, :, None], gen_v[b_R, :, g_R][:, :, None]

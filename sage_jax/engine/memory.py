@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sage_jax import models
+from sage_jax.models.decoder import causal_blocks
 from sage_jax.infra import parallel
 from sage_jax.engine import decode, placement, sampling, update
 from sage_jax.config import OptimConfig
@@ -199,7 +200,7 @@ def kv_cache_bytes(cfg: models.DecoderConfig, mesh, *, prompts: int, group_size:
 def _keys_per_query(seq_len: int) -> float:
     """Key slots a query's scores span, on average, in the causal query blocks of a row of
     `seq_len` tokens (`decoder.causal_blocks`: the whole row when it is one block)."""
-    return sum((e - a) * e for a, e in models.decoder.causal_blocks(seq_len)) / seq_len
+    return sum((e - a) * e for a, e in causal_blocks(seq_len)) / seq_len
 
 
 def _layer_saved_per_token(cfg, c: int, tp: int, seq_len: int) -> int:
@@ -210,7 +211,7 @@ def _layer_saved_per_token(cfg, c: int, tp: int, seq_len: int) -> int:
     MLP's gate, up and their product."""
     n, k = _split(cfg.num_heads, tp), _split(cfg.num_kv_heads, tp)
     f, h, d = _split(cfg.intermediate_size, tp), cfg.head_dim, cfg.hidden_size
-    blocks = models.decoder.causal_blocks(seq_len)
+    blocks = causal_blocks(seq_len)
     norms = 2 * (F32 + c) * d
     qkv = c * (n + 2 * k) * h + (F32 * (n + k) * h if cfg.qk_norm else 0)
     sliced = 2 * c * k * h * sum(e for _, e in blocks[:-1]) / seq_len

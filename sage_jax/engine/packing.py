@@ -45,7 +45,7 @@ def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
     m, u, r = minibatches, micro_batches, micro_rows
     mask = np.asarray(batch["mask_NxL"], bool)
     n = mask.shape[0]
-    width = max(mask.shape[1], width or 0)
+    width = max(int(mask.shape[1]), width or 0)
     loss = np.asarray(batch["loss_mask_NxL"], bool) & mask
     lengths = mask.sum(1)
     # Row q -> [j, i, s] with q = s*M*U + j*U + i: mini-batch j = (q // U) % M.

@@ -10,6 +10,7 @@ fsdp-split weights would be gathered at every step; they are regathered once per
 from __future__ import annotations
 
 import dataclasses
+from typing import overload
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,10 @@ class Layout:
     kv: str | None
 
 
+@overload
+def layout(mesh: Mesh, num_kv_heads: int, num_rows: int) -> Layout: ...
+@overload
+def layout(mesh: Mesh | None, num_kv_heads: int, num_rows: int) -> Layout | None: ...
 def layout(mesh: Mesh | None, num_kv_heads: int, num_rows: int) -> Layout | None:
     """Rows over ("data", "fsdp") when that divides `num_rows`, KV heads over "tensor" when
     that divides them; None without a mesh."""

@@ -204,9 +204,9 @@ class SampleOutput:
       per decode segment).
     """
 
-    tokens: jax.Array
-    lengths: jax.Array
-    logprobs: jax.Array
+    tokens: np.ndarray
+    lengths: np.ndarray
+    logprobs: np.ndarray
     decode_row_steps: int = flax.struct.field(pytree_node=False, default=0)
     host_syncs: int = flax.struct.field(pytree_node=False, default=0)
 
@@ -229,7 +229,8 @@ _JITTED: dict = {}  # (kind, graphdef, static config, layout, extra) -> jitted f
 _JITTED_UNHASHABLE: list = []  # [(key, jitted)] for graphdefs that cannot be hashed
 
 
-def _jitted(kind: str, graphdef, st: _Static | None, lay, extra=None):
+def _jitted(kind: str, graphdef, st: _Static | None, lay: placement.Layout | None,
+            extra: int | None = None):
     """A jitted program of `decode`, built once per (kind, model definition, static config,
     mesh layout, extra static argument) and cached; jit then keeps one executable per shape. A
     graphdef whose config holds a dict (e.g. llama3 `rope_scaling`) is unhashable: found by
@@ -247,10 +248,12 @@ def _jitted(kind: str, graphdef, st: _Static | None, lay, extra=None):
     if kind == "prefill":
         fn = jax.jit(functools.partial(decode.prefill, graphdef, lay))
     elif kind == "start":  # the prompt keys/values pass through into the state, not copied
+        assert extra is not None, "start takes the first cache size"
         fn = jax.jit(functools.partial(decode.start, st, lay, extra), donate_argnums=(0, 1))
     elif kind == "segment":
         fn = jax.jit(functools.partial(decode.segment, graphdef, st, lay), donate_argnums=(1,))
     elif kind == "regroup":
+        assert extra is not None, "regroup takes the new cache size"
         fn = jax.jit(functools.partial(decode.regroup_layer, lay, extra))
     else:
         fn = jax.jit(functools.partial(decode.regroup_rows, lay))

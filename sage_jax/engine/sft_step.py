@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,11 +79,13 @@ def sft_loss(graphdef, params, tokens_BxT, mask_BxTm1):
 
 
 SFT_B2 = 0.98  # Adam b2 of the SFT recipe (RL uses optim.b2, 0.999 by default)
+Schedule = Literal["constant", "cosine", "linear"]  # as `OptimConfig.schedule`
 
 
 def make_optimizer(lr: float, *, warmup: int = 50, weight_decay: float = 0.01,
                    b1: float = 0.9, b2: float = SFT_B2, clip: float = 1.0,
-                   schedule: str = "constant", steps: int = 1) -> optax.GradientTransformation:
+                   schedule: Schedule = "constant", steps: int = 1
+                   ) -> optax.GradientTransformation:
     """The RL optimiser (`update.make_optimizer`: clip, AdamW, linear warm-up then `schedule`
     over `steps` updates) with SFT's settings."""
     cfg = OptimConfig(lr=lr, schedule=schedule, warmup_steps=max(warmup, 1),
@@ -120,7 +122,7 @@ def train_sft(model: nnx.Module, examples: Sequence[Pair] | Callable[[np.random.
               *, steps: int, batch_size: int = 64, lr: float = 2e-3, seed: int = 0,
               pad_id: int = 0, bucket: int = 32, max_len: int | None = None,
               warmup: int = 50, weight_decay: float = 0.01, clip: float = 1.0,
-              schedule: str = "constant", sort_pool: int = 8,
+              schedule: Schedule = "constant", sort_pool: int = 8,
               eval_every: int = 0, eval_fn: Callable[[nnx.Module], dict] | None = None,
               stop_fn: Callable[[dict], bool] | None = None, log_every: int = 50,
               progress: Callable[[str], None] | None = None) -> tuple[nnx.Module, SFTResult]:

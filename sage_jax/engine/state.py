@@ -6,28 +6,33 @@ never stored in the state.
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+SageArrays = dict[str, np.ndarray]
+"""`TrainState.sage`: per-prompt SAGE arrays by name, host arrays indexed by training example
+(what `rl.types.SageTables.arrays()` gives); empty in a state that carries none."""
 
 
-@flax.struct.dataclass
-class TrainState:
+class TrainState(flax.struct.PyTreeNode):
     """params: the policy's parameter pytree (`models.split(model)[1]`), float32 masters when
     the model is stored in bf16 and master_fp32 is on; opt_state: optax state of those params;
     step: int32 training steps done (one step = one `train_step` call, i.e. `rl.minibatches *
     rl.epochs_per_batch` optimiser updates); rng: the run's PRNG key (raw uint32[2], so it
     checkpoints as a plain array); data_position: int32 position in the data stream;
-    sage: per-prompt SAGE arrays (a pytree; empty until SAGE adds them)."""
+    sage: the per-prompt SAGE arrays (`SageArrays`; empty where the state carries none: the
+    train step's state, whose inputs are then the same at every step)."""
 
-    params: Any
-    opt_state: Any
+    params: nnx.State
+    opt_state: optax.OptState
     step: jax.Array
     rng: jax.Array
     data_position: jax.Array
-    sage: Any = flax.struct.field(default_factory=dict)
+    sage: SageArrays = flax.struct.field(default_factory=dict)
 
 
 def master_params(params, master_fp32: bool = True):

@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sage_jax.config import Config, OptimConfig, RLConfig
 from sage_jax.core import grpo, sage
 from sage_jax import models
 from sage_jax.infra import parallel
@@ -54,12 +55,12 @@ PACKED_OPTIONAL = ("old_logp_SxL", "ref_logp_SxL", "level_N", "collapse_N")
 DEFAULT_CHUNK = 256  # Sequence columns per chunk of logits in the loss.
 
 
-def total_updates(cfg) -> int:
+def total_updates(cfg: Config) -> int:
     """Optimiser updates in a whole run: train.steps * rl.minibatches * rl.epochs_per_batch."""
     return max(cfg.train.steps * cfg.rl.minibatches * cfg.rl.epochs_per_batch, 1)
 
 
-def make_schedule(optim_cfg, total_steps: int):
+def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """Learning rate per optimiser update: linear warm-up from 0 over `warmup_steps`, then
     constant, cosine or linear decay to 0 at `total_steps`."""
     lr, warm = optim_cfg.lr, optim_cfg.warmup_steps
@@ -72,7 +73,7 @@ def make_schedule(optim_cfg, total_steps: int):
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), main], [warm])
 
 
-def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(optim_cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """clip_by_global_norm(grad_clip) (skipped when 0) then AdamW with the lr schedule."""
     adamw = optax.adamw(make_schedule(optim_cfg, total_steps), b1=optim_cfg.b1, b2=optim_cfg.b2,
                         eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
@@ -81,7 +82,8 @@ def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(optim_cfg.grad_clip), adamw)
 
 
-def init_train_state(model: models.Decoder, cfg, mesh) -> tuple:
+def init_train_state(model: models.Decoder, cfg: Config, mesh: Mesh
+                     ) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, TrainState) for `model` at step 0, params and optimiser state placed on
     `mesh` by the partition rules (rng from train.seed)."""
     graphdef, params = models.split(model)
@@ -90,7 +92,7 @@ def init_train_state(model: models.Decoder, cfg, mesh) -> tuple:
     return graphdef, jax.jit(init, out_shardings=shardings)(params)
 
 
-def new_state(params, cfg) -> TrainState:
+def new_state(params: nnx.State, cfg: Config) -> TrainState:
     """The `TrainState` at step 0 of the model parameters `params` (float32 masters with
     model.master_fp32, AdamW of `cfg.optim`, rng from train.seed); pure, for jit or eval_shape."""
     params = master_params(params, cfg.model.master_fp32)
@@ -100,7 +102,7 @@ def new_state(params, cfg) -> TrainState:
                       data_position=jnp.zeros((), jnp.int32))
 
 
-def layout(n: int, rl) -> tuple[int, int, int]:
+def layout(n: int, rl: RLConfig) -> tuple[int, int, int]:
     """(minibatches M, micro-batches per mini-batch U, rows per micro-batch R) for N rows."""
     m = rl.minibatches
     if n % m:
@@ -112,20 +114,20 @@ def layout(n: int, rl) -> tuple[int, int, int]:
     return m, n // m // r, r
 
 
-def sample_prompt_len(cfg, prompt_len: int | None = None) -> int:
+def sample_prompt_len(cfg: Config, prompt_len: int | None = None) -> int:
     """The longest prompt the rollout samples from: `prompt_len` (default
     data.max_prompt_tokens), plus hint.max_new_tokens for SAGE's hinted prompts."""
     hinted = cfg.rl.method in ("sage", "sage_light")
     return (prompt_len or cfg.data.max_prompt_tokens) + (cfg.hint.max_new_tokens if hinted else 0)
 
 
-def row_len(cfg) -> int:
+def row_len(cfg: Config) -> int:
     """Columns of the run's longest training row (`sample_prompt_len` and the longest answer),
     as `sampling.length_bucket` pads it: the width of every packed batch."""
     return sampling.length_bucket(sample_prompt_len(cfg) + cfg.rl.max_new_tokens)
 
 
-def pack_batch(batch: dict, cfg) -> dict:
+def pack_batch(batch: dict, cfg: Config) -> dict:
     """The packed form (`engine.packing`) of a padded numpy batch, for `cfg`'s mini-batches,
     in sequences of the run's longest row (`row_len`): every step's batch has one shape."""
     m, u, r = layout(len(batch["advantages_N"]), cfg.rl)
@@ -133,7 +135,7 @@ def pack_batch(batch: dict, cfg) -> dict:
                         width=row_len(cfg))
 
 
-def check_batch(batch: dict, cfg, mesh) -> None:
+def check_batch(batch: dict, cfg: Config, mesh: Mesh) -> None:
     """Raises a ValueError naming the key if `batch` does not fit the layout above (padded or
     packed) or the mesh."""
     packed = packing.is_packed(batch)
@@ -227,6 +229,7 @@ def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
         if first:
             zeros = jnp.zeros((first, *data["loss_mask_SxL"].shape[2:]), jnp.float32)
             logp = zeros if logp is None else jnp.concatenate([zeros, logp])
+        assert logp is not None  # first < m * k whenever first is 0
         logp = logp.reshape(data["loss_mask_SxL"].shape)
         data["old_logp_SxL"] = jax.lax.stop_gradient(
             jax.lax.with_sharding_constraint(logp, split_sh))
@@ -265,18 +268,19 @@ def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=
     return jax.lax.scan(micro, zero, mini)[0]
 
 
-def minibatch_grads(params, batch, *, graphdef, cfg, mesh, chunk=DEFAULT_CHUNK, remat=True):
+def minibatch_grads(params, batch, *, graphdef, cfg: Config, mesh: Mesh,
+                    chunk: int | None = DEFAULT_CHUNK, remat=True):
     """(grads, metrics) of the whole `batch` taken as one mini-batch, accumulated over
     micro-batches of `cfg.rl.micro_batch_size` rows (what one optimiser update uses)."""
     rl = dataclasses.replace(cfg.rl, minibatches=1)
-    kw = dict(graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk)
-    data, tokens_M, seqs_M = _prepare(params, _packed(batch), **kw)
+    data, tokens_M, seqs_M = _prepare(params, _packed(batch), graphdef=graphdef, rl=rl,
+                                      mesh=mesh, chunk=chunk)
     return _accumulate(params, jax.tree.map(lambda x: x[0], data), tokens_M[0], seqs_M[0],
-                       remat=remat, **kw)
+                       graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk, remat=remat)
 
 
-def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEFAULT_CHUNK,
-               remat_logits=True):
+def train_step(state: TrainState, batch: dict, *, graphdef, cfg: Config, mesh: Mesh,
+               chunk: int | None = DEFAULT_CHUNK, remat_logits: bool = True):
     """(state, batch) -> (state', metrics): one GRPO training step (pure; jit it).
 
     Metrics (means over the step's optimiser updates): loss, pg_loss, grad_norm (before
@@ -292,18 +296,19 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg, mesh, chunk=DEF
     updates_per_step = rl.minibatches * rl.epochs_per_batch
     total = total_updates(cfg)
     tx, schedule = make_optimizer(cfg.optim, total), make_schedule(cfg.optim, total)
-    kw = dict(graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk)
     # One pass over the batch: mini-batch 0 meets only the sampling params (update 0), so its
     # old log-probs are the first update's own (not recomputed).
     batch = _packed(batch)
     skip_first = "old_logp_SxL" not in batch and rl.epochs_per_batch == 1
-    data, tokens_M, seqs_M = _prepare(state.params, batch, skip_first=skip_first, **kw)
+    data, tokens_M, seqs_M = _prepare(state.params, batch, graphdef=graphdef, rl=rl, mesh=mesh,
+                                      chunk=chunk, skip_first=skip_first)
 
     def update(carry, j):
         params, opt_state, u = carry
         mini = jax.tree.map(lambda x: x[j], data)  # [U, R, ...]
-        grads, metrics = _accumulate(params, mini, tokens_M[j], seqs_M[j], remat=remat_logits,
-                                     fresh=skip_first & (u == 0), **kw)
+        grads, metrics = _accumulate(params, mini, tokens_M[j], seqs_M[j], graphdef=graphdef,
+                                     rl=rl, mesh=mesh, chunk=chunk, remat=remat_logits,
+                                     fresh=skip_first & (u == 0))
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["lr"] = jnp.asarray(schedule(state.step * updates_per_step + u), jnp.float32)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -349,7 +354,7 @@ class TrainStep:
     compile), then runs `train_step` jitted with the state's partition-rule shardings, rows over
     ("data", "fsdp"), metrics replicated, and the state donated."""
 
-    def __init__(self, graphdef, cfg, mesh, *, chunk: int | None = DEFAULT_CHUNK,
+    def __init__(self, graphdef, cfg: Config, mesh: Mesh, *, chunk: int | None = DEFAULT_CHUNK,
                  remat_logits: bool = True):
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
         self.chunk, self.remat_logits = chunk, remat_logits
@@ -377,7 +382,7 @@ class TrainStep:
         return self.jitted(state)(state, batch)
 
 
-def make_train_step(graphdef, cfg, mesh, *, chunk: int | None = DEFAULT_CHUNK,
+def make_train_step(graphdef, cfg: Config, mesh: Mesh, *, chunk: int | None = DEFAULT_CHUNK,
                     remat_logits: bool = True) -> TrainStep:
     """The jitted, sharded, state-donating train step for `cfg` on `mesh`.
 

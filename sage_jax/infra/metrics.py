@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator, Mapping
+from typing import IO, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -248,7 +248,7 @@ class MetricsLogger:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def log_samples(self, step: int, records: list[Mapping[str, Any]]) -> None:
+    def log_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
         """Appends ``{"step": step, **record}`` per record to ``workdir/samples.jsonl``."""
         if not self.is_main:
             return

@@ -7,7 +7,7 @@ a tensor dump. Text outside that set is an error (it never round-trips silently)
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIAL = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>"}
@@ -47,7 +47,7 @@ class CharTokenizer:
                 out.append(f"<{i}>")
         return "".join(out)
 
-    def decode_until_eos(self, ids: Sequence[int]) -> str:
+    def decode_until_eos(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to (not including) the first <eos>."""
         ids = list(ids)
         if EOS_ID in ids:

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from sage_jax.config import HintConfig, RLConfig
 from sage_jax.core import sage
 from sage_jax.core.sage import COLLAPSE_ALL_ONE, COLLAPSE_ALL_ZERO, COLLAPSE_MIXED
 from sage_jax.infra.rewards import Scorer
@@ -40,14 +41,15 @@ class HintSource:
     writing did (`write_hints`' counts, and per level the hints written and those equal to the
     task's reference hint) and the time it spends."""
 
-    def __init__(self, hint, *, examples, dataset_ids, task: Task, sampler: GroupSampler,
-                 tables: SageTables, step: int):
+    def __init__(self, hint: HintConfig, *, examples: Sequence[Example], dataset_ids: np.ndarray,
+                 task: Task, sampler: GroupSampler, tables: SageTables, step: int):
         self.hint, self.examples, self.ids = hint, examples, dataset_ids
         self.task, self.sampler, self.tables, self.step = task, sampler, tables, step
         self.source = "online" if hint.source == "auto" else hint.source  # auto: the toy job
         self.payloads: dict[int, dict[int, str]] = {}
         self.written_text: dict[int, str] = {}  # row -> what the policy wrote this step
-        self.counts = dict.fromkeys(("requests", "too_long", "parsed", "leaked", "failed"), 0)
+        self.counts: dict[str, int] = dict.fromkeys(
+            ("requests", "too_long", "parsed", "leaked", "failed"), 0)
         self.written = np.zeros(4, np.int64)  # [level]: hints the policy wrote this step
         self.right = np.zeros(4, np.int64)  # [level]: of those, equal to the reference hint
         self.seconds = 0.0
@@ -92,6 +94,7 @@ class HintSource:
             d = int(self.ids[i])
             if i in written:
                 ex = self.examples[i]
+                assert ex.solution is not None, "get writes only rows with a solution"
                 ref = self.task.reference_hints(ex.problem, ex.solution, ex.answer)
                 for lvl, text in written[i].items():
                     self.written[lvl] += 1
@@ -115,7 +118,7 @@ def _hint_payload_from_column(text: str | None) -> dict[int, str]:
 
 
 def write_hints(indices: Sequence[int], examples: Sequence[Example], task: Task,
-                sampler: GroupSampler, hint, *, dataset_ids: np.ndarray
+                sampler: GroupSampler, hint: HintConfig, *, dataset_ids: np.ndarray
                 ) -> tuple[dict[int, dict[int, str]], dict[str, int], dict[int, str]]:
     """The policy writes hints for each row in `indices`: every request of
     `task.hint_requests` (one per level, or one for all levels), batched, with `hint.retries`
@@ -198,7 +201,7 @@ class _Step:
     task: Task
     sampler: GroupSampler
     scorer: Scorer
-    rl: object  # cfg.rl
+    rl: RLConfig
     plain: list[list[int]]
     prompts: list[list[int]]
     level: np.ndarray  # int8 [B]
@@ -212,7 +215,8 @@ class _Step:
     resample_s: float = 0.0
 
     @classmethod
-    def start(cls, examples, ids, *, task, sampler, scorer, rl) -> "_Step":
+    def start(cls, examples: Sequence[Example], ids: np.ndarray, *, task: Task,
+              sampler: GroupSampler, scorer: Scorer, rl: RLConfig) -> "_Step":
         b = len(examples)
         plain = [task.answer_prompt(ex.problem) for ex in examples]
         return cls(examples, np.asarray(ids), task, sampler, scorer, rl, plain, list(plain),
@@ -227,6 +231,7 @@ class _Step:
         return _fit(got, rl.max_new_tokens)
 
     def status(self) -> dict[str, np.ndarray]:
+        assert self.rewards is not None, "first_pass sets the rewards"
         return sage.group_status(self.rewards, collapse_std=self.rl.collapse_std,
                                  success_threshold=self.rl.success_threshold)
 
@@ -236,6 +241,7 @@ class _Step:
 
     def replace(self, i: int, got: Samples, j: int, rewards, texts, prompt, rnd: int) -> None:
         """Row i's whole group becomes row j of `got`."""
+        assert self.samples is not None and self.rewards is not None and self.texts is not None
         self.samples.tokens[i], self.samples.lengths[i] = got.tokens[j], got.lengths[j]
         self.samples.logprobs[i] = got.logprobs[j]
         self.rewards[i], self.texts[i], self.rnd[i], self.prompts[i] = (
@@ -264,8 +270,7 @@ def escalate(g: _Step, lvl: int, hint_of: Callable[[int], str | None] | None) ->
         return
     t0 = time.perf_counter()
     hint = {i: None if hint_of is None else hint_of(i) for i in sel}
-    ctx = {i: g.plain[i] if hint[i] is None else g.task.hinted_prompt(g.examples[i].problem,
-                                                                        hint[i]) for i in sel}
+    ctx = {i: _context(g, i, hint[i]) for i in sel}
     got = g.sample(sel, ctx, salt=lvl)
     rewards, texts = _score(got, sel, g.examples, g.task, g.scorer, hint)
     for j, i in enumerate(sel):
@@ -276,19 +281,24 @@ def escalate(g: _Step, lvl: int, hint_of: Callable[[int], str | None] | None) ->
     g.resample_s += time.perf_counter() - t0
 
 
+def _context(g: _Step, i: int, hint: str | None) -> list[int]:
+    """Row i's prompt: the bare one, or with `hint`."""
+    return g.plain[i] if hint is None else g.task.hinted_prompt(g.examples[i].problem, hint)
+
+
 # ---- the methods -----------------------------------------------------------------------------
 
-def _grpo(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
+def _grpo(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig) -> None:
     first_pass(g)
 
 
-def _resample(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
+def _resample(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig) -> None:
     first_pass(g)
     for lvl in range(1, hint.max_level + 1):
         escalate(g, lvl, None)
 
 
-def _sage(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
+def _sage(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig) -> None:
     first_pass(g)
     need = [i for i in g.unresolved() if source.has_solution(i)]
     g.metrics["hint/prompts_needing_hint"] = float(len(need))
@@ -297,7 +307,8 @@ def _sage(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
         escalate(g, lvl, lambda i, lvl=lvl: payloads.get(i, {}).get(lvl))
 
 
-def _sage_light(g: _Step, source: HintSource, tables: SageTables, hint) -> None:
+def _sage_light(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig
+                ) -> None:
     ids = g.ids
     want = sage.sage_light_levels(tables.hint_level[ids], tables.last_accuracy[ids],
                                   tables.seen[ids], low=hint.low, high=hint.high,
@@ -323,8 +334,8 @@ METHODS = {"grpo": _grpo, "resample": _resample, "sage": _sage, "sage_light": _s
 # ---- one step ----------------------------------------------------------------------------------
 
 def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
-        sampler: GroupSampler, scorer: Scorer, rl, hint, tables: SageTables,
-        step: int) -> Rollout:
+        sampler: GroupSampler, scorer: Scorer, rl: RLConfig, hint: HintConfig,
+        tables: SageTables, step: int) -> Rollout:
     """Samples, scores and (per `rl.method`) hints one step of prompts, with the settings of
     `rl` (cfg.rl) and `hint` (cfg.hint); updates `tables` in place."""
     g = _Step.start(examples, dataset_ids, task=task, sampler=sampler, scorer=scorer, rl=rl)
@@ -333,6 +344,8 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
     METHODS[rl.method](g, source, tables, hint)
     after = g.status()
     _record(g, source, after, tables)
+    assert g.samples is not None and g.rewards is not None and g.texts is not None
+    assert g.collapse is not None, "first_pass sets the collapse status"
     return Rollout(prompts=g.prompts, plain_prompts=g.plain, samples=g.samples,
                    rewards=g.rewards, level=g.level, collapse=g.collapse, round=g.rnd,
                    hints=g.hints, texts=g.texts, metrics=g.metrics,
@@ -342,7 +355,8 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
 def _record(g: _Step, source: HintSource, after: dict, tables: SageTables) -> None:
     """The step's hint and collapse metrics, and the per-prompt tables (accuracy of the group
     that is trained on, solved-ever, seen)."""
-    m = g.metrics
+    m, rewards = g.metrics, g.rewards
+    assert rewards is not None, "first_pass sets the rewards"
     m["collapse/frac_all_zero_after"] = float(after["all_zero"].mean())
     m["hint/rescued"] = float(((g.rnd > 0) & after["mixed"]).sum())
     m["hint/write_failed"] = float(source.counts["failed"])
@@ -358,9 +372,9 @@ def _record(g: _Step, source: HintSource, after: dict, tables: SageTables) -> No
         m.setdefault(f"hint/used_level_{lvl}", 0.0)
     for lvl in range(4):
         at = g.level == lvl
-        m[f"hint/acc_level_{lvl}"] = float(g.rewards[at].mean()) if at.any() else float("nan")
+        m[f"hint/acc_level_{lvl}"] = float(rewards[at].mean()) if at.any() else float("nan")
     ids = g.ids
-    tables.last_accuracy[ids] = (g.rewards > g.rl.success_threshold).mean(axis=1)
+    tables.last_accuracy[ids] = (rewards > g.rl.success_threshold).mean(axis=1)
     tables.ever_solved[ids] |= after["resolved"]
     tables.seen[ids] = True
     m["hint/frac_never_solved"] = float(

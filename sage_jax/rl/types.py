@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from sage_jax.core import sage
+from sage_jax.engine.state import SageArrays
 
 
 class Samples(NamedTuple):
@@ -27,12 +28,14 @@ class GroupSampler(Protocol):
                  num_samples: int, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int) -> Samples:
         """G answers per prompt. Randomness derives from (step, prompt_ids[b], sample, salt)."""
+        ...
 
 
 @flax.struct.dataclass
 class SageTables:
-    """Per-dataset-prompt SAGE arrays, all indexed by [E] (E training examples): a pytree, kept in
-    `TrainState.sage` and checkpointed with it; the trainer updates host copies in place."""
+    """Per-dataset-prompt SAGE arrays, all indexed by [E] (E training examples): kept in
+    `TrainState.sage` by name (`arrays`) and checkpointed with it; the trainer updates host
+    copies (`from_arrays`) in place."""
 
     hint_level: np.ndarray  # int8: sage_light level used the last time the prompt was seen
     last_accuracy: np.ndarray  # float32
@@ -48,6 +51,15 @@ class SageTables:
                    seen=np.zeros(m, bool), ever_solved=np.zeros(m, bool),
                    hint_cache=np.zeros((m, 3, hint_width), np.uint8),
                    hint_step=np.full(m, -1, np.int32))
+
+    @classmethod
+    def from_arrays(cls, arrays: SageArrays) -> "SageTables":
+        """Writable host copies of the tables `TrainState.sage` holds (e.g. a restored one's)."""
+        return cls(**arrays).host_copy()
+
+    def arrays(self) -> SageArrays:
+        """The tables as `TrainState.sage` holds (and checkpoints) them: {field name: array}."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def host_copy(self) -> "SageTables":
         """Writable numpy copies of the arrays (e.g. of a restored state's tables)."""

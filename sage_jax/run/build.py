@@ -4,21 +4,29 @@ Tasks come from `tasks.registry`; nothing here knows a task by name."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
 
 from sage_jax import config as config_lib, models
+from sage_jax.config import Config
 from sage_jax.engine import update
+from sage_jax.engine.state import TrainState
 from sage_jax.rl.types import SageTables
 from sage_jax.tasks import data as data_lib, registry
+from sage_jax.tasks.base import Task
+from sage_jax.tasks.data import Example
 
 
-def load_task(cfg, model_path: str | None = None):
+def load_task(cfg: Config, model_path: str | None = None) -> Task:
     """The task of `cfg.task.name`, its prompts through the tokenizer of `model_path` (default
     model.path) where the task uses one."""
     return registry.plugin(cfg.task.name).make_task(cfg, model_path, None)
 
 
-def load_model(cfg) -> models.Decoder:
+def load_model(cfg: Config) -> models.Decoder:
     """The policy at its starting point: model.path (through the task's `start_from`, e.g. a
     warm start, where it has one), else the task's built-in model; `model.remat` set on it."""
     dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
@@ -36,7 +44,7 @@ def load_model(cfg) -> models.Decoder:
     return model
 
 
-def model_dims(cfg) -> models.DecoderConfig:
+def model_dims(cfg: Config) -> models.DecoderConfig:
     """The policy's dimensions without its weights: model.path's config.json (of a hub id,
     that file alone is fetched), else the task's built-in model's."""
     if cfg.model.path:
@@ -45,7 +53,7 @@ def model_dims(cfg) -> models.DecoderConfig:
     return load_model(cfg).cfg
 
 
-def load_examples(cfg, task):
+def load_examples(cfg: Config, task: Task) -> tuple[list[Example], dict[str, Any]]:
     """(training examples, stats): data.train_files, else the task's built-in examples."""
     plugin = registry.plugin(cfg.task.name)
     if not cfg.data.train_files and plugin.examples is not None:
@@ -64,9 +72,10 @@ def load_examples(cfg, task):
                                   count_tokens=lambda problem: len(task.answer_prompt(problem)))
 
 
-def initial_state(model: models.Decoder, cfg, mesh, num_examples: int):
+def initial_state(model: models.Decoder, cfg: Config, mesh: Mesh, num_examples: int
+                  ) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, TrainState at step 0): the model's parameters and optimiser state placed on
     `mesh`, and empty SAGE tables for `num_examples` training prompts."""
     graphdef, state = update.init_train_state(model, cfg, mesh)
     tables = SageTables.empty(num_examples, cfg.hint.cache_bytes)
-    return graphdef, state.replace(sage=tables)
+    return graphdef, state.replace(sage=tables.arrays())

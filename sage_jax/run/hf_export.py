@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import transformers
 
 from sage_jax import models
+from sage_jax.config import Config
 from sage_jax.run import restore
 
 # Files of a Hugging Face model folder that belong to its tokenizer / generation defaults / licence.
@@ -87,8 +88,8 @@ def _check_out(out: str | Path, overwrite: bool) -> None:
         raise FileExistsError(f"--out {out} is not empty; pass --overwrite to write into it")
 
 
-def export_policy(cfg, model, step: int, out: str | Path, *, dtype: str | None = None,
-                  overwrite: bool = False, log=print,
+def export_policy(cfg: Config, model: models.Decoder, step: int, out: str | Path, *,
+                  dtype: str | None = None, overwrite: bool = False, log=print,
                   source: str | Path | None = None) -> dict[str, Any]:
     """Writes a restored policy (`restore.restore_policy`'s `(cfg, model, step)`) to `out` as a
     Hugging Face folder: config.json, model.safetensors, the base model's tokenizer files and
@@ -105,6 +106,7 @@ def export_policy(cfg, model, step: int, out: str | Path, *, dtype: str | None =
         "task": cfg.task.name, "method": cfg.rl.method, "base_model": cfg.model.path,
         "dtype": dtype or str(jnp.dtype(model.dtype).name), "hints": "none (hint-free policy)",
         "tokenizer_files": [], "tokenizer": None}
+    base = _base_folder(cfg.model.path)
     if not cfg.model.path:
         info["tokenizer"] = (f"none: the run trained the {cfg.task.name} task's built-in model, "
                              f"whose tokenizer is the task's own (the toy task's is the "
@@ -112,12 +114,12 @@ def export_policy(cfg, model, step: int, out: str | Path, *, dtype: str | None =
                              f"Face form")
         log(f"note: {cfg.task.name}-task run on its built-in model: no Hugging Face tokenizer "
             f"exists for it; exported the weights and config only")
-    elif not _base_folder(cfg.model.path):
+    elif base is None:
         info["tokenizer"] = f"none: the base model folder {cfg.model.path!r} is not there"
         log(f"warning: the run's base model folder model.path={cfg.model.path!r} does not exist, "
             f"so no tokenizer files were copied; copy them into {out} by hand")
     else:
-        copied = copy_tokenizer_files(_base_folder(cfg.model.path), out)
+        copied = copy_tokenizer_files(base, out)
         info["tokenizer_files"] = copied
         problem = (_check_tokenizer(out, model.cfg.vocab_size) if copied
                    else "the base model folder has no tokenizer files")

@@ -13,26 +13,34 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
 from sage_jax.infra import checkpoint, distributed, metrics as metrics_lib
 from sage_jax import config as config_lib
+from sage_jax.config import Config
 from sage_jax.infra import host_memory, parallel, rewards, wandb_log
 from sage_jax.engine import compile_check, sampling, update
+from sage_jax.engine.state import TrainState
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.rl import batching, rollout
-from sage_jax.rl.types import Rollout
+from sage_jax.rl.types import Rollout, SageTables
 from sage_jax.run import build
 from sage_jax.tasks import data as data_lib, registry
+from sage_jax.tasks.base import Task
+from sage_jax.tasks.benchmarks import Problem
+from sage_jax.tasks.data import Example
 
 
 class TrainingError(RuntimeError):
     """The run cannot continue (e.g. NaN loss); the last good checkpoint is kept."""
 
 
-def check_fits(cfg, mesh) -> None:
+def check_fits(cfg: Config, mesh: Mesh) -> None:
     """Fails before any compile when the step's rows do not fit the mesh and mini-batches."""
     rows = cfg.rl.prompts_per_step * cfg.rl.group_size
     _, _, micro = update.layout(rows, cfg.rl)
@@ -40,7 +48,7 @@ def check_fits(cfg, mesh) -> None:
     parallel.check_rows(micro, mesh, "a micro-batch (rl.micro_batch_size)")
 
 
-def aot_check(cfg, mesh, say=None) -> None:
+def aot_check(cfg: Config, mesh: Mesh, say: Callable[[str], None] | None = None) -> None:
     """train.aot_check: the step's programs compiled for `mesh`'s devices at the run's shapes
     (no weights read); their table printed by `say`; `compile_check.DoesNotFit` when one does not fit."""
     report = compile_check.check_run(cfg, build.model_dims(cfg), devices=list(mesh.devices.flat))
@@ -49,7 +57,7 @@ def aot_check(cfg, mesh, say=None) -> None:
     compile_check.check_fits(report)
 
 
-def step_metrics(ro: Rollout, max_new_tokens: int, eos_ids) -> dict[str, float]:
+def step_metrics(ro: Rollout, max_new_tokens: int, eos_ids: Sequence[int]) -> dict[str, float]:
     """Reward and response-length metrics of one rollout."""
     lengths = ro.samples.lengths
     last = np.take_along_axis(ro.samples.tokens, np.maximum(lengths - 1, 0)[..., None], -1)[..., 0]
@@ -59,7 +67,7 @@ def step_metrics(ro: Rollout, max_new_tokens: int, eos_ids) -> dict[str, float]:
             "response/clipped_frac": float(truncated.mean())}
 
 
-def group_record(ro: Rollout, dataset_ids, success_threshold: float = 0.0
+def group_record(ro: Rollout, dataset_ids: np.ndarray, success_threshold: float = 0.0
                  ) -> dict[str, list]:
     """Per prompt of the step: dataset id, first-pass status (`core.sage.COLLAPSE_*`), hint level
     and re-sample round of the trained group, and whether the trained group solved it."""
@@ -68,7 +76,8 @@ def group_record(ro: Rollout, dataset_ids, success_threshold: float = 0.0
             "solved": (ro.rewards.max(axis=1) > success_threshold).astype(int).tolist()}
 
 
-def sample_records(ro: Rollout, examples, task, limit: int = 4) -> list[dict]:
+def sample_records(ro: Rollout, examples: Sequence[Example], task: Task, limit: int = 4
+                   ) -> list[dict[str, Any]]:
     out = []
     for b in range(min(limit, len(examples))):
         out.append({"problem": examples[b].problem, "answer": examples[b].answer,
@@ -107,24 +116,24 @@ class _Stop:
 class _Run:
     """What a training run holds between steps."""
 
-    cfg: object
+    cfg: Config
     workdir: Path
-    mesh: object
-    task: object
-    examples: list
-    graphdef: object
-    state: object  # TrainState without its SAGE tables (`tables` while the loop runs)
-    tables: object  # host copies of state.sage, updated in place by the rollout
+    mesh: Mesh
+    task: Task
+    examples: list[Example]
+    graphdef: nnx.GraphDef
+    state: TrainState  # without its SAGE tables (`tables` while the loop runs): sage is {}
+    tables: SageTables  # host copies of the saved state.sage, updated in place by the rollout
     ckpt: checkpoint.Checkpointer
-    step_fn: object
+    step_fn: update.TrainStep
     scorer: distributed.ShardedScorer
     logger: metrics_lib.MetricsLogger
-    eval_problems: dict | None
+    eval_problems: dict[str, list[Problem]] | None
     last_saved: int = 0
 
     def save(self, step: int) -> None:
         if step != self.last_saved or self.ckpt.latest_step() is None:
-            self.ckpt.save(step, self.state.replace(sage=self.tables))
+            self.ckpt.save(step, self.state.replace(sage=self.tables.arrays()))
             self.last_saved = step
 
     def close(self) -> None:
@@ -133,7 +142,7 @@ class _Run:
         self.ckpt.close()
 
 
-def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
+def train(cfg: Config, workdir: str | Path, *, stop_after: int | None = None) -> dict:
     """Runs (or resumes) training in `workdir`; returns the last step's metrics.
 
     `stop_after`: stop (with a checkpoint) once this many steps are done in total.
@@ -160,7 +169,7 @@ def train(cfg, workdir: str | Path, *, stop_after: int | None = None) -> dict:
     return metrics
 
 
-def _start(cfg, workdir: Path) -> _Run:
+def _start(cfg: Config, workdir: Path) -> _Run:
     """The run's pieces, resumed from the latest checkpoint in `workdir` when there is one."""
     distributed.initialize_from_env()  # multi-host: before anything starts a JAX backend
     distributed.check_same({"workdir": str(workdir), "config": config_lib.to_yaml(cfg)})
@@ -206,7 +215,8 @@ def _start(cfg, workdir: Path) -> _Run:
     # and join the state only to be saved: the train step never sees them, so its inputs are
     # the same kind of arrays at every step (host tables at step 1 compiled it twice).
     return _Run(cfg=cfg, workdir=workdir, mesh=mesh, task=task, examples=examples,
-                graphdef=graphdef, state=state.replace(sage={}), tables=state.sage.host_copy(),
+                graphdef=graphdef, state=state.replace(sage={}),
+                tables=SageTables.from_arrays(state.sage),
                 ckpt=ckpt,
                 step_fn=update.make_train_step(graphdef, cfg, mesh), scorer=scorer,
                 logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
@@ -272,7 +282,7 @@ def _step(run: _Run, step: int) -> dict:
     return metrics
 
 
-def reward_fn(cfg, task):
+def reward_fn(cfg: Config, task: Task) -> rewards.RewardFn:
     """The run's reward: `rl.reward` (a name given to `rewards.register_reward`), else the
     task's own."""
     if cfg.rl.reward is None:
@@ -284,7 +294,7 @@ def reward_fn(cfg, task):
                                      key="rl.reward") from None
 
 
-def load_eval_problems(cfg) -> dict:
+def load_eval_problems(cfg: Config) -> dict[str, list[Problem]]:
     """The run's validation problems: its task's built-in ones, else cfg.eval.benchmarks."""
     builtin = registry.plugin(cfg.task.name).eval_problems
     if builtin is not None:
@@ -293,7 +303,9 @@ def load_eval_problems(cfg) -> dict:
                                   limit=cfg.eval.limit)
 
 
-def run_eval(cfg, graphdef, params, task, problems, scorer) -> dict[str, float]:
+def run_eval(cfg: Config, graphdef: nnx.GraphDef, params: nnx.State, task: Task,
+             problems: dict[str, list[Problem]], scorer: distributed.ShardedScorer
+             ) -> dict[str, float]:
     """No-hint validation: `eval/<benchmark>/avg@k` (and pass@k) with a fixed key."""
     e = cfg.eval
     result = eval_lib.evaluate_problems(

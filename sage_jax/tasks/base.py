@@ -9,7 +9,7 @@ held-out problems); `sage_jax.tasks.registry.TASKS` maps `task.name` to plug-ins
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol
 
 from sage_jax.core import sage
 
@@ -41,7 +41,7 @@ class Task(Protocol):
         """The usable hints {level: hint} in the policy's reply to request `level`, and how many
         levels were refused for giving the final `answer` away."""
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         """Text of generated ids (special tokens dropped)."""
 
     def reference(self, problem: str, answer: str, hint: str | None = None) -> str:

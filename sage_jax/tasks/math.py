@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Iterable
 
 from sage_jax.config import ConfigError
 from sage_jax.core.sage import LEVELS, leaks_answer
@@ -90,7 +90,7 @@ class MathTask(PayloadHints):
         user = HINT_REQUEST.format(problem=problem, solution=solution)
         return self.tok.encode_chat(user, system=HINT_SYSTEM)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(ids)
 
     @staticmethod

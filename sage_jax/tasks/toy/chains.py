@@ -61,7 +61,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -280,7 +280,7 @@ class ToyTask(PayloadHints):
     def hint_request(self, problem: str, solution: str) -> list[int]:
         return self.tok.encode(self.request_text(problem, solution), bos=True)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode_until_eos(ids)
 
     @staticmethod
