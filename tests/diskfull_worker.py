@@ -1,4 +1,4 @@
-"""One run of tests/test_train.py's disk-full test: `python tests/diskfull_worker.py WORKDIR`.
+"""One run of tests/run/test_train.py's disk-full test: `python tests/diskfull_worker.py WORKDIR`.
 
 Trains the toy task for one step (checkpoint 1), then runs `python -m sage_jax.train` for a
 second step with a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) set when step 2's checkpoint

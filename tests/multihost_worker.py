@@ -1,4 +1,4 @@
-"""One process of tests/test_multihost.py: `python tests/multihost_worker.py WORKDIR REPORT`.
+"""One process of tests/infra/test_multihost.py: `python tests/multihost_worker.py WORKDIR REPORT`.
 
 The environment gives the cluster (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID,
 4 fake CPU devices each). Checks the host-side helpers of `sage_jax.infra.distributed`, then trains the

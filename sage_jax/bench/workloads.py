@@ -1,8 +1,8 @@
 """The benchmark workloads, defined here: a random Qwen2-shaped model of a fixed size (`small`,
 `tiny`) or a real trained LLM on real prompts (`real`), the rows, the token budget and the
 timing (warm-up and timed calls). The peer scripts in ../shared/bench/peers/ define the same
-workloads in their `workloads.json` (`tests/test_bench.py` checks that they agree), so that
-tunix, transformers, vLLM and this library are timed on one job.
+workloads in their `workloads.json` (`tests/bench/test_bench_workloads.py` checks that they
+agree), so that tunix, transformers, vLLM and this library are timed on one job.
 
 Synthetic workloads: num_prompts x samples_per_prompt rows of prompt_len random token ids (0 is
 never drawn: it is the pad id), exactly max_new_tokens new tokens per row (no EOS), temperature

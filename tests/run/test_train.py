@@ -168,7 +168,7 @@ def test_resume_step_rolls_back_once_and_no_good_checkpoint_is_one_error(three_s
 @pytest.mark.slow
 def test_a_full_disk_during_save_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
     run = tmp_path / "run"
-    worker = Path(__file__).with_name("diskfull_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "diskfull_worker.py"
     got = subprocess.run([sys.executable, str(worker), str(run)], capture_output=True, text=True,
                          timeout=600)
     assert got.returncode == 2, got.stderr[-3000:]

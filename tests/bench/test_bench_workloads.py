@@ -16,7 +16,7 @@ import pytest
 
 from sage_jax.bench import protocol, workloads
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO.parent / "shared" / "bench" / "peers"
 needs_peers = pytest.mark.skipif(not (PEERS / "workloads.json").is_file(),
                                  reason="the peer scripts (../shared/bench/peers) are not here")

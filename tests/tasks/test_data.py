@@ -19,7 +19,7 @@ from sage_jax.tasks.data import (
     next_batch_indices,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 AIME = DATA / "train" / "aime_1983_2023_with_solutions.json"
 AMC23_VERL = DATA / "eval_verl" / "amc23.parquet"
 

@@ -19,7 +19,7 @@ from sage_jax.config import (
     to_yaml,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -19,7 +19,7 @@ from sage_jax.tasks.benchmarks import (
     normalize_answer,
 )
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 ROWS = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva_math": 272,
         "olympiadbench": 675, "gsm8k": 1319, "gpqa_diamond": 198}

@@ -22,7 +22,7 @@ from sage_jax.infra.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).with_name("multihost_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "multihost_worker.py"
 TIMEOUT_S = 600
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "sage_jax"
+PACKAGE = Path(__file__).resolve().parents[2] / "sage_jax"
 
 # Low to high; a module may import only from its own layer or below. Matched by longest prefix.
 LAYERS = {

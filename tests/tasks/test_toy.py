@@ -245,7 +245,7 @@ def test_math_reference_hints_are_solution_prefixes_without_the_final_answer():
     from pathlib import Path
 
     from sage_jax.tasks import math as math_task
-    path = Path(__file__).resolve().parents[2] / "shared/data/eval/math500/test.jsonl"
+    path = Path(__file__).resolve().parents[3] / "shared/data/eval/math500/test.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()[:200]]
     levels_seen = set()
     for r in rows:

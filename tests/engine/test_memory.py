@@ -24,7 +24,7 @@ from sage_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, RLConf
 from sage_jax.config import TrainConfig
 from sage_jax.tasks.toy import chains as toy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = models.DecoderConfig(family="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
 PROMPT, ANSWER, ROWS, MICRO, CHUNK = 16, 112, 16, 8, 64

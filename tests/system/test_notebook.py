@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 
 pytestmark = pytest.mark.slow
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "scripts" / "colab_quickstart.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "scripts" / "colab_quickstart.ipynb"
 KERNEL = "sage_jax_test"
 
 
