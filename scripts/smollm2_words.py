@@ -30,7 +30,7 @@ from sage_jax import config as config_lib, models
 from sage_jax.infra import metrics as metrics_lib, rewards
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.run import build, loop, restore
-from sage_jax.tasks import words as plugin
+from sage_jax.tasks.words import words_plugin as plugin
 
 HERE = Path(__file__).resolve().parent
 EVAL_KEY = 4242

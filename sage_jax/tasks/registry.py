@@ -6,8 +6,8 @@ from __future__ import annotations
 from sage_jax.config import ConfigError
 from sage_jax.tasks import math
 from sage_jax.tasks.base import TaskPlugin
-from sage_jax.tasks import toy
-from sage_jax.tasks import words
+from sage_jax.tasks.toy import toy_plugin as toy
+from sage_jax.tasks.words import words_plugin as words
 
 TASKS: dict[str, TaskPlugin] = {
     "math": math.PLUGIN,

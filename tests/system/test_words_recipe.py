@@ -16,7 +16,7 @@ from sage_jax import config as config_lib, models
 from sage_jax.infra import metrics as metrics_lib
 from sage_jax.rl import batching, rollout
 from sage_jax.run import build
-from sage_jax.tasks import words as plugin
+from sage_jax.tasks.words import words_plugin as plugin
 from sage_jax.tasks.words import problems as wp
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from sage_jax.rl import rollout
 from sage_jax.run import build
 from sage_jax.tasks import registry
 from sage_jax.tasks.data import Example
-from sage_jax.tasks import words as plugin
+from sage_jax.tasks.words import words_plugin as plugin
 from sage_jax.tasks.words import problems as wp
 from sage_jax.tasks.words.prompts import WordsTask
 

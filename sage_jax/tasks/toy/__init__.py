@@ -1,45 +1,8 @@
-"""The built-in toy task (chain arithmetic mod 10, character level); this module is its plug-in
-record `PLUGIN`: the task, its built-in model (the SFT warm start, or a random initialisation), its
-built-in training problems and its held-out evaluation problems.
+"""The built-in toy task (chain arithmetic mod 10, character level):
 
+    toy_plugin.py  the plug-in record `PLUGIN`: the task, its built-in model (the SFT warm start,
+                   or a random initialisation), its training and held-out evaluation problems
     chains.py      problems, prompt formats, reward, `ToyTask`, the toy model's config
     warm_start.py  the SFT warm start of the toy model (shipped in toy_sft/, cached, or trained)
     calibrate.py   the warm start's SFT recipe and the calibration gate before RL
 """
-
-from __future__ import annotations
-
-from flax import nnx
-
-from sage_jax import models
-from sage_jax.tasks.base import TaskPlugin
-from sage_jax.tasks.toy import chains as toy
-from sage_jax.tasks.toy import warm_start
-
-
-def make_task(cfg, model_path=None, system_prompt=None) -> toy.ToyTask:
-    del cfg, model_path, system_prompt  # character-level prompts, no system message
-    return toy.ToyTask()
-
-
-def model_config(cfg) -> models.DecoderConfig:
-    del cfg
-    return toy.toy_model_config()
-
-
-def make_model(cfg, dtype, compute_dtype) -> models.Decoder:
-    """The SFT warm start when task.toy.warm_start, else a random init from train.seed."""
-    if cfg.task.toy.warm_start:
-        return warm_start.warm_started_model(cfg, dtype=dtype, compute_dtype=compute_dtype)
-    return models.Decoder(toy.toy_model_config(), dtype=dtype, compute_dtype=compute_dtype,
-                          rngs=nnx.Rngs(cfg.train.seed))
-
-
-def examples(cfg) -> list:
-    """task.toy.problems training problems on the run's lengths (seed 0)."""
-    return toy.make_examples(cfg.task.toy.problems, warm_start.spec(cfg), seed=0)
-
-
-PLUGIN = TaskPlugin(name="toy", make_task=make_task, model_config=model_config,
-                    make_model=make_model, examples=examples,
-                    eval_problems=lambda limit: toy.eval_problems(limit=limit))
