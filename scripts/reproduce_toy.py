@@ -83,8 +83,9 @@ def _visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
             "transfer": study.transfer(groups)}
 
 
-def run_config(arm: str, seed: int, steps: int, overrides: list[str], ckpt_every: int):
-    return config.load_config(config.DEFAULT_CONFIG, [
+def run_config(arm: str, seed: int, steps: int, overrides: list[str], ckpt_every: int,
+               base: str = config.DEFAULT_CONFIG):
+    return config.load_config(base, [
         *ARMS[arm], f"train.seed={seed}", f"train.steps={steps}", "task.toy.calibrate=false",
         "task.toy.report=false", "train.samples_every=0", f"checkpoint.every={ckpt_every}",
         "checkpoint.keep=1000", *overrides])
@@ -96,13 +97,13 @@ def read_groups(workdir: Path) -> list[dict]:
 
 
 def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
-            eval_every: int, ckpt_every: int) -> dict:
+            eval_every: int, ckpt_every: int, base: str = config.DEFAULT_CONFIG) -> dict:
     """Trains (or resumes) one run, evaluates its checkpoints; cached in the run folder."""
     wd = out / "runs" / f"{arm}-s{seed}"
     done = wd / "study.json"
     if done.is_file():
         return _read_result(done)
-    cfg = run_config(arm, seed, steps, overrides, ckpt_every)
+    cfg = run_config(arm, seed, steps, overrides, ckpt_every, base)
     t0 = time.perf_counter()
     loop.train(cfg, wd)
     wall = time.perf_counter() - t0
@@ -133,12 +134,13 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
     return res
 
 
-def start_accuracy(seeds, out: Path, overrides: list[str]) -> list[dict]:
+def start_accuracy(seeds, out: Path, overrides: list[str],
+                   base: str = config.DEFAULT_CONFIG) -> list[dict]:
     """No-hint accuracy of the SFT start itself, with each seed's sampling key."""
     path = out / "sft_start.json"
     if path.is_file():
         return [{**r, "accuracy": _int_keys(r["accuracy"])} for r in json.loads(path.read_text())]
-    cfg = config.load_config(config.DEFAULT_CONFIG, overrides)
+    cfg = config.load_config(base, overrides)
     model = build.load_model(cfg)
     res = [{"seed": s, "accuracy": toy_job.accuracy_by_length(model, cfg, seed=s)}
            for s in seeds]
@@ -146,16 +148,17 @@ def start_accuracy(seeds, out: Path, overrides: list[str]) -> list[dict]:
     return res
 
 
-def write_accuracy(out: Path, overrides: list[str]) -> dict:
+def write_accuracy(out: Path, overrides: list[str], base: str = config.DEFAULT_CONFIG) -> dict:
     """The SFT start's greedy hint-writing accuracy per level on held-out RL-length problems."""
     path = out / "write_accuracy.json"
     if path.is_file():
         res = json.loads(path.read_text())
         return {**res, "acc": _int_keys(res["acc"])}
-    cfg = config.load_config(config.DEFAULT_CONFIG, overrides)
+    cfg = config.load_config(base, overrides)
     problems = toy.make_problems(cfg.task.toy.eval_per_length, warm_start.spec(cfg),
                                  seed=toy_job.EVAL_SEED, per_length=True)
-    res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems)
+    res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems,
+                                            task=warm_start.make_task(cfg))
     res = {"problems": len(problems), **res}
     path.write_text(json.dumps(res, indent=1))
     return res
@@ -173,6 +176,8 @@ def main(argv=None) -> str:
     ap.add_argument("--eval-every", type=int, default=20, help="evaluate every N steps")
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--out", default="docs/toy_study")
+    ap.add_argument("--config", default=str(config.DEFAULT_CONFIG),
+                    help="the runs' base config (default: the toy job's)")
     ap.add_argument("--report-only", action="store_true",
                     help="write the report from the finished runs; train nothing")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -187,11 +192,11 @@ def main(argv=None) -> str:
                  f"task.toy.problems={args.problems}", *args.overrides]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    compile_cache.enable(config.load_config(config.DEFAULT_CONFIG, overrides).train.compile_cache)
+    compile_cache.enable(config.load_config(args.config, overrides).train.compile_cache)
     seeds = list(range(args.seeds))
     t0 = time.perf_counter()
-    start = start_accuracy(seeds, out, overrides)
-    writing = write_accuracy(out, overrides)
+    start = start_accuracy(seeds, out, overrides, args.config)
+    writing = write_accuracy(out, overrides, args.config)
     results = []
     for s in seeds:
         for a in arms:
@@ -201,8 +206,9 @@ def main(argv=None) -> str:
                     results.append(_read_result(done))
                 continue
             results.append(run_one(a, s, args.steps, out, overrides,
-                                   eval_every=args.eval_every, ckpt_every=args.checkpoint_every))
-    base = config.load_config(config.DEFAULT_CONFIG, overrides)
+                                   eval_every=args.eval_every, ckpt_every=args.checkpoint_every,
+                                   base=args.config))
+    base = config.load_config(args.config, overrides)
     t = base.task.toy
     note = (f"Toy task (chain arithmetic, lengths {t.min_steps}..{t.max_steps}), toy model "
             f"warm-started by SFT (seed {t.sft_seed}), then {args.steps} RL steps of "

@@ -319,10 +319,26 @@ class ToyConfig(_Section):
     report: bool = True  # After RL: no-hint evaluation by length, summary.md and summary.png.
     eval_per_length: int = 32  # Problems per length in the final evaluation.
     eval_samples: int = 4  # Samples per problem in the final evaluation (pass rate = mean).
+    # The hard split (docs/toy_tail): operands whose facts only rare_share of the RL and
+    # evaluation problems of >= rare_min_steps steps use, and sft_rare_share of the warm start's.
+    rare_operands: tuple[int, ...] = ()
+    rare_share: float = 0.0  # Share of RL / evaluation problems (>= rare_min_steps) with one.
+    rare_min_steps: int = 1  # Shortest RL / evaluation problem that may hold a rare operand.
+    sft_rare_share: float = 0.0  # Share of the warm start's SFT problems with one (0: never).
+    hint_format: Literal["payload", "level"] = "payload"  # One JSON reply, or one per level.
+    sft_write_share: float = 0.1  # Share of hint-writing examples in the warm start's SFT mix.
+    sft_target_write_prob: float = 0.0  # Also stop SFT only once P(exact level-3 hint) >= this.
 
     def validate(self) -> None:
         _require(1 <= self.min_steps <= self.max_steps <= 20, "task.toy.min_steps/max_steps",
                  (self.min_steps, self.max_steps), "need 1 <= min_steps <= max_steps <= 20")
+        _require(set(self.rare_operands) <= set(range(1, 10)) and len(self.rare_operands) < 8,
+                 "task.toy.rare_operands", self.rare_operands, "at most 7 of the operands 1..9")
+        for key in ("rare_share", "sft_rare_share", "sft_target_write_prob"):
+            _require(0 <= getattr(self, key) <= 1, f"task.toy.{key}", getattr(self, key),
+                     "in [0, 1]")
+        _require(0 <= self.sft_write_share < 1, "task.toy.sft_write_share",
+                 self.sft_write_share, "in [0, 1)")
         for key in ("problems", "calibrate_per_length", "eval_per_length", "eval_samples"):
             _require(getattr(self, key) >= 1, f"task.toy.{key}", getattr(self, key), ">= 1")
         _require(self.sft_steps >= 0, "task.toy.sft_steps", self.sft_steps, ">= 0")

@@ -97,15 +97,18 @@ class ScriptedToyPolicy:
     prompts the right continuation (so groups collapse and hints help), and hint requests the
     reference payload (`copies`) or one with every digit off by one."""
 
-    def __init__(self, copies: bool):
-        self.copies, self.task = copies, toy.ToyTask()
+    def __init__(self, copies: bool, hint_format: str = "payload"):
+        self.copies, self.task = copies, toy.ToyTask(hint_format=hint_format)
 
     def answer(self, text: str) -> str:
         if text.startswith(toy.SOLUTION_TAG):
-            hints = toy.reference_hints(text[2:].split("\n")[0])
+            solution, ends = text[2:].split("\n")
+            hints = toy.reference_hints(solution.rstrip(toy.PAD_CHAR))
             if not self.copies:
                 hints = {lvl: "".join(str((int(c) + 1) % 10) if c.isdigit() else c for c in h)
                          for lvl, h in hints.items()}
+            if "," not in ends:  # one level: the hint that ends at the named step
+                return next(h for h in hints.values() if h.split(";")[-1][0] == ends[2])
             return toy.hint_payload(hints)
         problem, _, rest = text[2:].partition("\n")
         hint = rest[2:].strip() if rest.startswith(toy.HINT_TAG) else ""
@@ -124,11 +127,14 @@ class ScriptedToyPolicy:
         return types.SimpleNamespace(tokens=tokens, lengths=np.asarray([len(x) for x in rows]))
 
 
+@pytest.mark.parametrize("hint_format", ["payload", "level"])
 @pytest.mark.parametrize("copies", [True, False])
-def test_gate_fails_when_the_policy_cannot_write_its_hints(copies):
-    kw = dict(spec=toy.ToySpec(4, 6), problems_per_length=3, group_size=2,
-              generate=ScriptedToyPolicy(copies))
+def test_gate_fails_when_the_policy_cannot_write_its_hints(copies, hint_format):
+    policy = ScriptedToyPolicy(copies, hint_format)
+    kw = dict(spec=toy.ToySpec(4, 6), problems_per_length=3, group_size=2, generate=policy,
+              task=policy.task)
     cal = toy_calibrate.calibrate(None, method="sage", hint_source="online", **kw)
+    assert cal["hint_leaked"] == 0 and (cal["hint_parse_rate"] == 1.0 or not copies)
     assert cal["gate"]["all_zero"] and cal["gate"]["l3_above_no_hint"]
     assert cal["hint_write_acc"] == ({1: 1.0, 2: 1.0, 3: 1.0} if copies
                                      else {1: 0.0, 2: 0.0, 3: 0.0})

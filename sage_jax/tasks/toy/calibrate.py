@@ -15,6 +15,7 @@ level-1/2/3 reference hints, and the policy's own hint-writing accuracy per leve
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Callable, Sequence
@@ -24,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sage_jax.core import sage
 from sage_jax.engine import sampling, sft_step as sft
 from sage_jax.models.decoder import Decoder
 from sage_jax.tasks.toy import chains as toy
@@ -147,12 +147,14 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
                short_max_steps: int = SFT_DEFAULTS["short_max_steps"],
                short_target: float = SFT_DEFAULTS["short_target"],
                spec: toy.ToySpec = toy.SFT_SPEC, eval_spec: toy.ToySpec = toy.RL_SPEC,
-               mix: toy.SFTMix = toy.SFTMix(),
+               mix: toy.SFTMix = toy.SFTMix(), task: toy.ToyTask | None = None,
+               target_write_prob: float = 0.0,
                model_overrides: dict | None = None,
                progress: Callable[[str], None] | None = None):
     """A fresh toy model trained on the SFT mix until the teacher-forced single-step accuracy
-    on held-out problems of `eval_spec` (the RL lengths) reaches `target_step_acc` (0: train all
-    `steps`).
+    on held-out problems of `eval_spec` (the RL lengths, rare operands left out) reaches
+    `target_step_acc` (0: train all `steps`) and, with `target_write_prob`, the probability of
+    writing the level-3 hint exactly (`write_prob`) reaches it too.
 
     Curriculum: while the single-step accuracy on held-out problems of 2..`short_max_steps`
     steps is below `short_target`, the SFT problems have at most `short_max_steps` steps (short
@@ -161,12 +163,12 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
 
     Returns (model, `sft.SFTResult`).
     """
-    task = toy.ToyTask()
+    task = task or toy.ToyTask()
     model = Decoder(toy.toy_model_config(**(model_overrides or {})), rngs=nnx.Rngs(seed))
-    held_out = toy.make_problems(eval_per_length, eval_spec, seed=10_000 + seed,
+    held_out = toy.make_problems(eval_per_length, eval_spec.without_rare(), seed=10_000 + seed,
                                  per_length=True)
     short = min(short_max_steps, spec.max_steps)
-    short_spec = toy.ToySpec(spec.min_steps, short) if short else None
+    short_spec = dataclasses.replace(spec, max_steps=short) if short else None
     short_held_out = (toy.make_problems(eval_per_length, toy.ToySpec(min(2, short), short),
                                         seed=10_000 + seed, per_length=True) if short else None)
     state = {"step": 0, "acc": 0.0, "short": short_spec is not None}
@@ -194,13 +196,18 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
             return {}
         met = step_accuracy(m, held_out, task=task)
         state["acc"] = met["step_acc"]
+        if target_write_prob:
+            met["write_prob_l3"] = write_prob(m, held_out, task=task, level=3)
         return met
 
-    stop = ((lambda met: met.get("step_acc", 0.0) >= target_step_acc) if target_step_acc
-            else None)
+    def stop(met):
+        return (met.get("step_acc", 0.0) >= target_step_acc
+                and met.get("write_prob_l3", 1.0) >= target_write_prob)
+
     return sft.train_sft(model, draw, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          pad_id=task.pad_id, warmup=warmup, eval_every=1 if eval_every else 0,
-                         bucket=bucket, eval_fn=evaluate if eval_every else None, stop_fn=stop,
+                         bucket=bucket, eval_fn=evaluate if eval_every else None,
+                         stop_fn=stop if target_step_acc else None,
                          progress=progress)
 
 
@@ -247,33 +254,66 @@ def sample_rewards(model: Decoder, problems: Sequence[toy.ToyProblem], *, group_
 def hint_write_accuracy(model: Decoder, problems: Sequence[toy.ToyProblem], *,
                         task: toy.ToyTask | None = None, generate=None, temperature: float = 0.0,
                         key=None, levels: Sequence[int] = (1, 2, 3)) -> dict:
-    """The policy writes one hint payload per problem (at `temperature`, 0 = greedy); returns
-    {"parse_rate": share `sage.parse_hints` accepts, "acc": {level: share whose level-l hint
-    equals the reference one (of the problems that have that level)}, "samples": 3 texts}."""
+    """The policy answers the task's hint requests (`task.hint_requests`: one JSON payload per
+    problem, or one request per level) at `temperature` (0 = greedy); returns {"parse_rate":
+    share of replies with a usable hint (`task.read_hints`), "leaked": levels refused for giving
+    the answer away, "acc": {level: share whose level-l hint equals the reference one (of the
+    problems that have that level)}, "samples": 3 replies}."""
     task = task or toy.ToyTask()
     generate = generate or sampling.generate
     kmax = max(p.k for p in problems)
-    requests = [task.hint_request(p.text, p.solution) for p in problems]
-    got = generate(model, requests, max_new_tokens=max_payload_tokens(kmax),
+    todo = [(r, lvl, req) for r, p in enumerate(problems)
+            for lvl, req in task.hint_requests(p.text, p.solution).items()]
+    got = generate(model, [req for _, _, req in todo], max_new_tokens=max_payload_tokens(kmax),
                    temperature=temperature, top_p=1.0, top_k=0, eos_token_id=task.eos_ids,
                    key=jax.random.PRNGKey(1000) if key is None else key, num_samples=1,
-                   prompt_ids=np.arange(len(problems), dtype=np.int32), pad_id=task.pad_id)
-    parsed_ok, samples = 0, []
+                   prompt_ids=np.arange(len(todo), dtype=np.int32), pad_id=task.pad_id)
+    parsed_ok, leaked, samples = 0, 0, []
+    written: list[dict[int, str]] = [{} for _ in problems]
+    for j, (r, lvl, _) in enumerate(todo):
+        text = task.decode(got.tokens[j, :got.lengths[j]])
+        hints, n_leaked = task.read_hints(text, lvl, problems[r].answer)
+        parsed_ok += bool(hints)
+        leaked += n_leaked
+        written[r].update(hints)
+        if j < 3:
+            samples.append(text)
     right = {lvl: 0 for lvl in levels}
     have = {lvl: 0 for lvl in levels}
-    for r, p in enumerate(problems):
-        text = task.decode(got.tokens[r, :got.lengths[r]])
-        written = sage.parse_hints(text, ground_truth=p.answer)
+    for p, got_hints in zip(problems, written):
         ref = toy.reference_hints(p)
-        parsed_ok += written is not None
         for lvl in levels:
             if lvl in ref:
                 have[lvl] += 1
-                right[lvl] += bool(written) and written.get(lvl) == ref[lvl]
-        if r < 3:
-            samples.append(text)
-    return {"parse_rate": parsed_ok / len(problems),
+                right[lvl] += got_hints.get(lvl) == ref[lvl]
+    return {"parse_rate": parsed_ok / max(len(todo), 1), "leaked": leaked,
             "acc": {lvl: right[lvl] / max(have[lvl], 1) for lvl in levels}, "samples": samples}
+
+
+def write_prob(model: Decoder, problems: Sequence[toy.ToyProblem], *, task: toy.ToyTask,
+               level: int = 1, batch_size: int = 256) -> float:
+    """Mean probability (temperature 1, teacher-forced) that the policy writes exactly the
+    reference level-`level` hint (with its <eos>) in reply to the task's request for it; for the
+    "payload" format, the whole JSON payload. Problems without that level are skipped."""
+    graphdef, params = nnx.split(model)
+    fn = _logprob_fn(graphdef)
+    rows = []
+    for p in problems:
+        ref = toy.reference_hints(p)
+        if level not in ref:
+            continue
+        if task.hint_format == "level":
+            rows.append(toy.sft_pair(task, p, "write", level))
+        else:
+            rows.append(toy.sft_pair(task, p, "write"))
+    probs = []
+    for s in range(0, len(rows), batch_size):
+        chunk = rows[s:s + batch_size]
+        tokens, _ = sft.make_batch(chunk, pad_id=task.pad_id)
+        lp = np.asarray(fn(params, jnp.asarray(tokens)))
+        for (pr, an), row in zip(chunk, lp):
+            probs.append(float(np.exp(row[len(pr) - 1:len(pr) - 1 + len(an)].sum())))
+    return float(np.mean(probs)) if probs else float("nan")
 
 
 def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
@@ -293,7 +333,8 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     Returns a dict:
       all_zero, all_zero_by_k: share of no-hint groups with every answer wrong;
       pass_by_level: {level: {k: pass rate}} (level 0 = no hint) and pass_by_level_all;
-      hint_parse_rate: share of written payloads `sage.parse_hints` accepts;
+      hint_parse_rate: share of replies with a usable hint (`task.read_hints`); hint_leaked:
+        levels refused for giving the answer away;
       hint_write_acc: {level: share of problems whose written level-l hint equals the reference};
       hint_source, hint_source_reason: the source RL uses (`pick_hint_source` of `hint_source`);
       gate: {"all_zero": bool, "l3_above_no_hint": bool, "self_hints": bool, "passed": bool}
@@ -313,8 +354,9 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
                       temperature=temperature, levels=levels, key=key)
     writing = hint_write_accuracy(model, problems, task=task, generate=generate,
                                   temperature=hint_temperature, key=jax.random.fold_in(key, 1000),
-                                  levels=levels)  # one payload per problem
+                                  levels=levels)
     out["hint_parse_rate"], out["hint_write_acc"] = writing["parse_rate"], writing["acc"]
+    out["hint_leaked"] = writing["leaked"]
     out["samples"]["write"] = writing["samples"]
     out.update(_gate(out, levels=levels, method=method, hint_source=hint_source,
                      kmax=max(p.k for p in problems)))

@@ -53,6 +53,20 @@ be redundant characters) and, after `H?`, the label of the last step each level 
 (as the paper's request describes what each level holds): writing a hint is then copying
 steps up to a named label, which the policy learns in SFT, rather than counting to k/2. The
 payload is a JSON object with keys "1".."3", which `sage.parse_hints` reads.
+
+With `ToyTask(hint_format="level")` the policy is asked once per level, as the paper's
+Algorithm 1 samples one hint per level, and the solution is padded with `.` to the width of the
+longest solution, so the reply's i-th character is the one a fixed distance back (a copy that
+one attention head at one relative offset can do):
+    level request    S:e=7+3=0;d=0-8=2;c=2+3=5;b=5-8=7;a=7+3=0;A:0.....(to a fixed width)\nH?d:
+                         -> e=7+3=0;d=0-8=2
+A reply that holds the last step (`a=...`) or an `A:` line gives the answer away: refused.
+
+The hard split (`ToySpec.rare_operands`, issue 33): operands whose facts the warm start never
+(or rarely) sees and that only some long RL problems use. Every step is one fact of the table,
+so what GRPO learns on the other problems does not carry over to these facts: a problem whose
+pair holds a rare operand needs about k/2 facts the policy has to guess, is all-zero for GRPO,
+and can only be learned where a hint leaves few of them to guess (a k-1 hint: at most one).
 """
 
 from __future__ import annotations
@@ -121,6 +135,10 @@ class ToyProblem:
         (o1, x1), (o2, x2) = self.pair
         return f"{self.start}{o1}{x1}{o2}{x2}:{LABELS[self.k - 1]}"
 
+    def uses(self, operands: Sequence[int]) -> bool:
+        """Whether one of the problem's operations has an operand in `operands`."""
+        return any(x in operands for _, x in self.pair)
+
     def values(self) -> list[int]:
         """The value after each step."""
         out, v = [], self.start
@@ -157,15 +175,21 @@ def solution_text(steps: Sequence[str], answer: str) -> str:
     return STEP_SEP.join([*steps, ANSWER_TAG + answer])
 
 
-def random_problem(rng: np.random.Generator, k: int) -> ToyProblem:
+def random_problem(rng: np.random.Generator, k: int, *, rare: Sequence[int] = (),
+                   use_rare: bool = False) -> ToyProblem:
     """A k-step problem whose two operations together move the value by an amount coprime to 10,
     so the chain visits all ten digits before a (value, operation) pair repeats: a problem of up
-    to 20 steps never uses the same fact twice."""
+    to 20 steps never uses the same fact twice.
+
+    With `rare` operands, the pair holds one of them when `use_rare` (so half the steps use a
+    rare fact) and none of them otherwise."""
     if not 1 <= k <= MAX_STEPS:
         raise ValueError(f"k={k} steps is outside 1..{MAX_STEPS}")
     while True:
         pair = tuple((str(rng.choice(["+", "-"])), int(rng.choice(OPERANDS))) for _ in range(2))
-        if math.gcd((_net(*pair[0]) + _net(*pair[1])) % BASE, BASE) == 1:
+        if math.gcd((_net(*pair[0]) + _net(*pair[1])) % BASE, BASE) != 1:
+            continue
+        if not rare or (sum(x in rare for _, x in pair) == 1) == use_rare:
             return ToyProblem(int(rng.integers(BASE)), pair, k)
 
 
@@ -241,17 +265,33 @@ def toy_reward(response: str, ground_truth: str) -> float:
 
 # ---- the task -------------------------------------------------------------------------------
 
+HINT_FORMATS = ("payload", "level")
+PAD_CHAR = "."  # fills the solution of a one-level request to its fixed width
+_STEP_RE = re.compile(r"^[a-t]=\d[-+][1-9]=\d$")
+
+
 class ToyTask(PayloadHints):
-    """Prompt formats of the toy task (`sage_jax.tasks.base.Task`) through `CharTokenizer`."""
+    """Prompt formats of the toy task (`sage_jax.tasks.base.Task`) through `CharTokenizer`.
+
+    `hint_format` "payload" asks for every level in one JSON reply (`request_text`); "level" asks
+    once per level (`level_request_text`) with the solution padded to the width of a
+    `max_steps`-step solution, so a hint's i-th character sits a fixed distance behind the
+    solution's i-th character: writing the hint is copying at one fixed offset."""
 
     name = "toy"
     reward_fn = staticmethod(toy_reward)
     system_prompt = None
 
-    def __init__(self, tokenizer: CharTokenizer | None = None):
+    def __init__(self, tokenizer: CharTokenizer | None = None, *, hint_format: str = "payload",
+                 max_steps: int = 16):
+        if hint_format not in HINT_FORMATS:
+            raise ValueError(f"toy hint_format must be one of {HINT_FORMATS}, got "
+                             f"{hint_format!r}")
         self.tok = tokenizer or CharTokenizer()
         self.eos_ids = self.tok.eos_ids
         self.pad_id = self.tok.pad_id
+        self.hint_format = hint_format
+        self.width = len(solution_text(["a=0+1=1"] * max_steps, "0"))  # 8 * max_steps + 3
 
     # text forms
     @staticmethod
@@ -269,6 +309,37 @@ class ToyTask(PayloadHints):
         ends = ",".join(LABELS[k - n] if 0 < n <= min(k, len(LABELS)) else "-"
                         for n in hint_lengths(solution).values())
         return f"{SOLUTION_TAG}{solution}\n{REQUEST_TAG}{ends}:"
+
+    def level_request_text(self, solution: str, level: int) -> str | None:
+        """The request for one level: the padded solution, then after `H?` the label of the last
+        step the hint holds (None: the solution has no step for that level)."""
+        solution = _one_line(solution)
+        k = len(_steps_of(solution))
+        n = hint_lengths(solution).get(level, 0)
+        if not n:
+            return None
+        return f"{SOLUTION_TAG}{solution.ljust(self.width, PAD_CHAR)}\n{REQUEST_TAG}{LABELS[k - n]}:"
+
+    def hint_requests(self, problem: str, solution: str) -> dict[int, list[int]]:
+        """{0: the JSON request} ("payload"), or {level: that level's request} ("level")."""
+        if self.hint_format == "payload":
+            return {0: self.hint_request(problem, solution)}
+        texts = {lvl: self.level_request_text(solution, lvl) for lvl in LEVELS}
+        return {lvl: self.tok.encode(t, bos=True) for lvl, t in texts.items() if t}
+
+    def read_hints(self, text: str, level: int, answer: str) -> tuple[dict[int, str], int]:
+        """The usable hints in a reply to request `level` (0: the JSON payload); a one-level
+        reply must be well-formed steps, and one that holds the last step (`a=...`) or an `A:`
+        line gives the answer away: refused and counted."""
+        if self.hint_format == "payload":
+            return PayloadHints.read_hints(text, level, answer)
+        hint = text.strip()
+        steps = hint.split(STEP_SEP) if hint else []
+        if ANSWER_TAG in hint or any(st.startswith("a=") for st in steps):
+            return {}, 1
+        if not steps or not all(_STEP_RE.match(st) for st in steps):
+            return {}, 0
+        return {level: hint}, 0
 
     # Task protocol
     def answer_prompt(self, problem: str) -> list[int]:
@@ -317,19 +388,40 @@ def _one_line(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ToySpec:
-    """Which problems a split holds: lengths min_steps..max_steps, uniformly."""
+    """Which problems a split holds: lengths min_steps..max_steps, uniformly; with
+    `rare_operands`, a `rare_share` of the problems of at least `rare_min_steps` steps hold one
+    rare operand in their pair (half their steps then need a rare fact) and the others none."""
 
     min_steps: int = 1
     max_steps: int = 16
+    rare_operands: tuple[int, ...] = ()
+    rare_share: float = 0.0
+    rare_min_steps: int = 1
 
     def __post_init__(self):
         if not 1 <= self.min_steps <= self.max_steps <= MAX_STEPS:
             raise ValueError(f"need 1 <= min_steps <= max_steps <= {MAX_STEPS}, got "
                              f"{self.min_steps}..{self.max_steps}")
+        if not set(self.rare_operands) <= set(OPERANDS) or len(self.rare_operands) >= 8:
+            raise ValueError(f"rare operands must be at most 7 of {OPERANDS}, got "
+                             f"{self.rare_operands}")
+        if not 0.0 <= self.rare_share <= 1.0:
+            raise ValueError(f"rare_share must be in [0, 1], got {self.rare_share}")
 
     @property
     def lengths(self) -> tuple[int, ...]:
         return tuple(range(self.min_steps, self.max_steps + 1))
+
+    def problem(self, rng: np.random.Generator, k: int) -> ToyProblem:
+        """One k-step problem of this split (no extra draw from `rng` without rare operands)."""
+        if not self.rare_operands:
+            return random_problem(rng, k)
+        use = k >= self.rare_min_steps and bool(rng.random() < self.rare_share)
+        return random_problem(rng, k, rare=self.rare_operands, use_rare=use)
+
+    def without_rare(self) -> "ToySpec":
+        """The same lengths with no rare operand anywhere."""
+        return dataclasses.replace(self, rare_share=0.0)
 
 
 # Defaults of the embedded job (see `calibrate` and issue 8): SFT covers every length; RL and
@@ -346,7 +438,7 @@ def make_problems(n: int, spec: ToySpec = RL_SPEC, *, seed: int = 0,
     rng = np.random.default_rng([seed, 8])
     lengths = spec.lengths
     total = n * len(lengths) if per_length else n
-    return [random_problem(rng, lengths[i % len(lengths)]) for i in range(total)]
+    return [spec.problem(rng, lengths[i % len(lengths)]) for i in range(total)]
 
 
 def to_example(p: ToyProblem, index: int) -> Example:
@@ -389,13 +481,17 @@ class SFTMix:
 
 def sft_pair(task: ToyTask, problem: ToyProblem, kind: str,
              level: int = 0) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids) of one SFT example: kind 'plain', 'hinted' (at `level`), 'write'."""
+    """(prompt ids, answer ids) of one SFT example: kind 'plain', 'hinted' (at `level`), 'write'
+    (every level in one payload, or the request for `level` in the task's "level" format)."""
     if kind == "plain":
         return task.answer_prompt(problem.text), task.encode_answer(problem.solution)
     if kind == "hinted":
         hint = reference_hints(problem)[level]
         return (task.hinted_prompt(problem.text, hint),
                 task.encode_answer(continuation(problem, hint)))
+    if kind == "write" and task.hint_format == "level":
+        return (task.hint_requests(problem.text, problem.solution)[level],
+                task.encode_answer(reference_hints(problem)[level]))
     if kind == "write":
         return (task.hint_request(problem.text, problem.solution),
                 task.encode_answer(hint_payload(reference_hints(problem))))
@@ -412,12 +508,13 @@ def sft_draw(rng: np.random.Generator, n: int, *, task: ToyTask | None = None,
     lengths = spec.lengths
     out = []
     for _ in range(n):
-        p = random_problem(rng, lengths[int(rng.integers(len(lengths)))])
+        p = spec.problem(rng, lengths[int(rng.integers(len(lengths)))])
         kind = ("plain", "hinted", "write")[int(rng.choice(3, p=probs))]
         levels = sorted(reference_hints(p))
         if kind != "plain" and not levels:
             kind = "plain"
-        level = int(rng.choice(levels)) if kind == "hinted" else 0
+        level = (int(rng.choice(levels)) if kind == "hinted"
+                 or (kind == "write" and task.hint_format == "level") else 0)
         out.append(sft_pair(task, p, kind, level))
     return out
 

@@ -11,8 +11,8 @@ from sage_jax.tasks.toy import warm_start
 
 
 def make_task(cfg, model_path=None, system_prompt=None) -> toy.ToyTask:
-    del cfg, model_path, system_prompt  # character-level prompts, no system message
-    return toy.ToyTask()
+    del model_path, system_prompt  # character-level prompts, no system message
+    return warm_start.make_task(cfg)
 
 
 def model_config(cfg) -> models.DecoderConfig:

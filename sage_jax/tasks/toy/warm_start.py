@@ -25,8 +25,34 @@ PACKAGED = Path(__file__).with_name("toy_sft")  # the shipped warm start (see mo
 
 
 def spec(cfg) -> toy.ToySpec:
-    """The RL / evaluation lengths of the run."""
-    return toy.ToySpec(cfg.task.toy.min_steps, cfg.task.toy.max_steps)
+    """The RL / evaluation problems of the run (lengths, and the hard split's rare operands)."""
+    t = cfg.task.toy
+    return toy.ToySpec(t.min_steps, t.max_steps, rare_operands=tuple(t.rare_operands),
+                       rare_share=t.rare_share, rare_min_steps=t.rare_min_steps)
+
+
+def sft_spec(cfg) -> toy.ToySpec:
+    """The warm start's SFT problems: every length up to the run's longest, rare operands in
+    `task.toy.sft_rare_share` of them."""
+    t = cfg.task.toy
+    return toy.ToySpec(1, t.max_steps, rare_operands=tuple(t.rare_operands),
+                       rare_share=t.sft_rare_share)
+
+
+def make_task(cfg) -> toy.ToyTask:
+    """The toy task in the run's hint format."""
+    return toy.ToyTask(hint_format=cfg.task.toy.hint_format, max_steps=cfg.task.toy.max_steps)
+
+
+def sft_mix(cfg) -> toy.SFTMix:
+    write = cfg.task.toy.sft_write_share
+    return toy.SFTMix(plain=0.5 * (1 - write) / 0.9, hinted=0.4 * (1 - write) / 0.9, write=write)
+
+
+# Settings that shape the warm start only when set; left out at their defaults, so the shipped
+# checkpoint's settings (made before they existed) still match a default run.
+_OPTIONAL = {"rare_operands": (), "sft_rare_share": 0.0, "hint_format": "payload",
+             "sft_write_share": 0.1, "sft_target_write_prob": 0.0}
 
 
 def cache_root(cfg) -> Path:
@@ -39,7 +65,9 @@ def warm_start_settings(cfg) -> dict:
     return {"design": DESIGN_VERSION, "seed": t.sft_seed, "sft_steps": t.sft_steps,
             "target_step_acc": t.sft_target_step_acc, "sft_max_steps": t.max_steps,
             "eval_spec": [t.min_steps, t.max_steps], "defaults": calibrate.SFT_DEFAULTS,
-            "model": toy.toy_model_config().to_hf_dict()}
+            "model": toy.toy_model_config().to_hf_dict(),
+            **{k: list(v) if isinstance(v, tuple) else v
+               for k, d in _OPTIONAL.items() if (v := getattr(t, k)) != d}}
 
 
 def cache_path(cfg) -> Path:
@@ -87,7 +115,8 @@ def train_warm_start(cfg, out: str | Path, *, progress=print):
              f"accuracy {t.sft_target_step_acc:.0%}); saved in {out}")
     model, result = calibrate.warm_start(
         seed=t.sft_seed, steps=t.sft_steps, target_step_acc=t.sft_target_step_acc,
-        spec=toy.ToySpec(1, t.max_steps), eval_spec=spec(cfg), progress=progress)
+        spec=sft_spec(cfg), eval_spec=spec(cfg), mix=sft_mix(cfg), task=make_task(cfg),
+        target_write_prob=t.sft_target_write_prob, progress=progress)
     last = result.evals[-1][1] if result.evals else {}
     progress(f"warm start: {result.steps} SFT steps in {result.seconds:.0f}s, single-step "
              f"accuracy {last.get('step_acc', float('nan')):.3f}")
