@@ -36,24 +36,10 @@ from sage_jax import config  # noqa: E402
 from sage_jax.infra import compile_cache  # noqa: E402
 from sage_jax.jobs import toy_job  # noqa: E402
 from sage_jax.run import build, restore  # noqa: E402
-from sage_jax.tasks.toy import calibrate, chains as toy, toy_plugin, warm_start  # noqa: E402
+from sage_jax.tasks.toy import calibrate, chains as toy, toy_plugin  # noqa: E402
 
 TAIL_CONFIG = REPO / "sage_jax" / "configs" / "toy_tail.yaml"
 CRITERIA = {"never_solved": 0.20, "first_pass_all_zero": 0.40, "l3_pass_never_solved": 0.25}
-
-
-def split_accuracy(model, cfg, *, seed: int) -> dict[str, float]:
-    """No-hint pass rate on the held-out problems (toy_job's set), hard split vs the rest."""
-    t = cfg.task.toy
-    problems = toy.make_problems(t.eval_per_length, warm_start.spec(cfg), seed=toy_job.EVAL_SEED,
-                                 per_length=True)
-    rewards, _ = calibrate.sample_rewards(model, problems, group_size=t.eval_samples,
-                                          temperature=cfg.rl.temperature,
-                                          key=jax.random.PRNGKey(77 + seed))
-    rare = np.asarray([p.uses(t.rare_operands) for p in problems])
-    return {"hard": float(rewards[rare].mean()), "rest": float(rewards[~rare].mean()),
-            "all": float(rewards.mean()), "hard_problems": int(rare.sum()),
-            "rest_problems": int((~rare).sum())}
 
 
 def measure(seed: int, run: dict, wd: Path, cfg, *, start_model) -> dict:
@@ -83,8 +69,10 @@ def measure(seed: int, run: dict, wd: Path, cfg, *, start_model) -> dict:
         "hard_share_of_visited": sum(p.uses(rare_ops) for p in visited) / len(vs),
         "first_pass_all_zero": float(np.mean(first)),
         "l3_pass_never_solved": l3_pass, "l3_prompts": len(l3),
-        "accuracy_start": split_accuracy(start_model, cfg, seed=seed),
-        "accuracy_final": split_accuracy(final, cfg, seed=seed),
+        "accuracy_start": toy_job.accuracy_by_split(
+            *toy_job.held_out_rewards(start_model, cfg, seed=seed), rare_ops),
+        "accuracy_final": toy_job.accuracy_by_split(
+            *toy_job.held_out_rewards(final, cfg, seed=seed), rare_ops),
     }
 
 

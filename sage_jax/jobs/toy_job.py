@@ -23,7 +23,7 @@ from sage_jax.jobs import report
 from sage_jax.engine import sampling
 from sage_jax.run import build, loop, restore
 from sage_jax.tasks.toy import calibrate, chains as toy
-from sage_jax.tasks.toy.warm_start import spec
+from sage_jax.tasks.toy.warm_start import make_task, spec
 
 EVAL_SEED = 30_000  # the held-out problems of the evaluation by difficulty
 
@@ -62,7 +62,7 @@ def before_rl(cfg, workdir: str | Path, model) -> dict | None:
         return None
     workdir = Path(workdir)
     print("calibration (step 0 policy on the RL prompt distribution):", flush=True)
-    cal = calibrate.calibrate(model, spec=spec(cfg),
+    cal = calibrate.calibrate(model, spec=spec(cfg), task=make_task(cfg),
                                   problems_per_length=cfg.task.toy.calibrate_per_length,
                                   group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
                                   seed=cfg.train.seed, method=cfg.rl.method,
@@ -94,17 +94,37 @@ def with_hint_source(cfg, workdir: str | Path, cal: dict | None = None):
                                  "hint": {**config_lib.to_dict(cfg.hint), "source": source}})
 
 
-def accuracy_by_length(model, cfg, *, seed: int = 0) -> dict[int, float]:
-    """No-hint pass rate per length on held-out problems (`task.toy.eval_per_length` each, the
-    same set for every run; `task.toy.eval_samples` samples each at the rollout temperature, from
-    a key of `seed`)."""
+def held_out_rewards(model, cfg, *, seed: int = 0) -> tuple[list[toy.ToyProblem], np.ndarray]:
+    """The held-out problems (`task.toy.eval_per_length` per length, the same set for every run)
+    and their no-hint rewards [N, task.toy.eval_samples], sampled at the rollout temperature
+    from a key of `seed`."""
     t = cfg.task.toy
     problems = toy.make_problems(t.eval_per_length, spec(cfg), seed=EVAL_SEED, per_length=True)
     rewards, _ = calibrate.sample_rewards(
         model, problems, group_size=t.eval_samples, temperature=cfg.rl.temperature,
         key=jax.random.PRNGKey(77 + seed), generate=mesh_generate(cfg))
+    return problems, rewards
+
+
+def accuracy_by_length(model, cfg, *, seed: int = 0) -> dict[int, float]:
+    """No-hint pass rate per length on the held-out problems (`held_out_rewards`)."""
+    return by_length(*held_out_rewards(model, cfg, seed=seed))
+
+
+def by_length(problems, rewards) -> dict[int, float]:
+    """Pass rate per problem length of rewards [N, samples]."""
     ks = np.asarray([p.k for p in problems])
     return {int(k): float(rewards[ks == k].mean()) for k in sorted(set(ks.tolist()))}
+
+
+def accuracy_by_split(problems, rewards, rare_operands) -> dict[str, float]:
+    """No-hint pass rate of `held_out_rewards`' result on the hard split (problems that use one
+    of `rare_operands`) and on the rest."""
+    hard = np.asarray([p.uses(rare_operands) for p in problems])
+    return {"hard": float(rewards[hard].mean()) if hard.any() else float("nan"),
+            "rest": float(rewards[~hard].mean()) if (~hard).any() else float("nan"),
+            "all": float(rewards.mean()), "hard_problems": int(hard.sum()),
+            "rest_problems": int((~hard).sum())}
 
 
 def after_rl(cfg, workdir: str | Path, *, start_model=None) -> str | None:
@@ -117,16 +137,26 @@ def after_rl(cfg, workdir: str | Path, *, start_model=None) -> str | None:
     print("evaluation: no-hint pass rate by difficulty (held-out problems)", flush=True)
     _, trained, step = restore.restore_policy(workdir)
     start = start_model if start_model is not None else build.load_model(cfg)
-    accuracy = {"SFT start": accuracy_by_length(start, cfg, seed=cfg.train.seed),
-                f"after {cfg.rl.method} ({step} steps)": accuracy_by_length(
-                    trained, cfg, seed=cfg.train.seed)}
+    policies = {"SFT start": start, f"after {cfg.rl.method} ({step} steps)": trained}
+    held_out = {name: held_out_rewards(m, cfg, seed=cfg.train.seed)
+                for name, m in policies.items()}
+    accuracy = {name: by_length(*pr) for name, pr in held_out.items()}
     (workdir / "eval_by_length.json").write_text(json.dumps(accuracy, indent=1))
     rows = metrics_lib.read_metrics(workdir)
     cal_file = workdir / "calibration.json"
     extra = ""
+    rare = cfg.task.toy.rare_operands
+    if rare:
+        split = {name: accuracy_by_split(*pr, rare) for name, pr in held_out.items()}
+        (workdir / "eval_by_split.json").write_text(json.dumps(split, indent=1))
+        extra += (f"## Hard split (operands {list(rare)})\n\n| policy | hard split | rest | all |"
+                  "\n|---|---|---|---|\n" + "\n".join(
+                      f"| {name} | {a['hard']:.3f} ({a['hard_problems']}) | {a['rest']:.3f} "
+                      f"({a['rest_problems']}) | {a['all']:.3f} |" for name, a in split.items())
+                  + "\n\n")
     if cal_file.is_file():
         cal = json.loads(cal_file.read_text())
-        extra = "## Calibration at step 0\n\n" + "\n".join(
+        extra += "## Calibration at step 0\n\n" + "\n".join(
             f"- {n}" for n in cal.get("gate_notes", []))
     text = report.write_summary(
         workdir, rows, accuracy, extra=extra,

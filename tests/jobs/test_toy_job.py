@@ -10,7 +10,7 @@ from sage_jax.jobs import train_job
 from sage_jax import config
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.jobs import toy_job
-from sage_jax.tasks.toy import warm_start
+from sage_jax.tasks.toy import chains as toy, warm_start
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +87,34 @@ def test_shipped_warm_start_matches_the_default_config():
     assert shipped is not None, f"no shipped warm start in {warm_start.PACKAGED}"
     assert warm_start._same(shipped, warm_start.warm_start_settings(cfg))
     assert (warm_start.PACKAGED / "model.safetensors").is_file()
+
+
+def test_accuracy_by_split_separates_the_hard_split():
+    problems = [toy.ToyProblem(1, (("+", 7), ("-", 2)), 9),
+                toy.ToyProblem(1, (("+", 3), ("-", 2)), 9),
+                toy.ToyProblem(4, (("-", 7), ("+", 4)), 12)]
+    rewards = np.asarray([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    got = toy_job.accuracy_by_split(problems, rewards, (7,))
+    assert got["hard"] == 0.25 and got["rest"] == 1.0 and got["all"] == 0.5
+    assert (got["hard_problems"], got["rest_problems"]) == (2, 1)
+    none = toy_job.accuracy_by_split(problems, rewards, ())
+    assert np.isnan(none["hard"]) and none["rest"] == 0.5
+
+
+def test_hard_split_job_writes_one_level_per_request_and_reports_the_split(tmp_path, capsys):
+    """configs/toy_tail.yaml's options, shrunk: its own warm start, one-level hint requests
+    written by the policy during RL, and the summary's hard-split table."""
+    tail = ["task.toy.rare_operands=[7]", "task.toy.rare_share=0.5", "task.toy.hint_format=level",
+            "task.toy.sft_write_share=0.3", "hint.source=online", "task.toy.eval_per_length=4"]
+    cfg = config.load_config(config.DEFAULT_CONFIG,
+                             SHRUNK + tail + [f"task.toy.cache_dir={tmp_path / 'cache'}"])
+    run = tmp_path / "run"
+    train_job.run(cfg, run)
+    cal = json.loads((run / "calibration.json").read_text())
+    assert "hint_leaked" in cal and 0 <= cal["hint_parse_rate"] <= 1
+    rows = read_metrics(run)
+    assert sum(r["hint/requests"] for r in rows) > 0  # one request per level and row
+    split = json.loads((run / "eval_by_split.json").read_text())
+    for acc in split.values():
+        assert acc["hard_problems"] > 0 and acc["rest_problems"] > 0
+    assert "## Hard split (operands [7])" in (run / "summary.md").read_text()
