@@ -52,6 +52,8 @@ ARMS = {
     "sage-offline": ["rl.method=sage", "hint.source=offline"],
     "sage-ref-plain": ["rl.method=sage", "hint.source=reference", "rl.loss_context=plain"],
     "sage_light-ref": ["rl.method=sage_light", "hint.source=reference"],
+    "sage_light-online": ["rl.method=sage_light", "hint.source=online"],
+    "sage-online-plain": ["rl.method=sage", "hint.source=online", "rl.loss_context=plain"],
 }
 CURVES = ("reward/mean", "collapse/frac_all_zero", "collapse/frac_all_zero_after",
           "hint/rescued", "hint/prompts_needing_hint")
@@ -119,19 +121,30 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
     for s in points:
         _, model, _ = restore.restore_policy(wd, step=s)
         curve.append({"step": s, "tokens": float(tokens[s - 1]), "seconds": float(seconds[s - 1]),
-                      "accuracy": toy_job.accuracy_by_length(model, cfg, seed=seed)})
+                      **held_out_accuracy(model, cfg, seed)})
     for s in saved[:-1]:  # keep the last checkpoint only (disk); the curve is measured
         shutil.rmtree(wd / "checkpoints" / str(s), ignore_errors=True)
     step_s = [r["time/step_s"] for r in rows[1:] if "time/step_s" in r]  # step 1 compiles
     res = {"arm": arm, "seed": seed, "steps": len(rows), "wall_s": wall,
            "median_step_s": float(np.median(step_s)) if step_s else float("nan"),
            "accuracy": curve[-1]["accuracy"], "curve": curve,
+           **({"split": curve[-1]["split"]} if "split" in curve[-1] else {}),
            **_visit_numbers(groups, rows),
            "curves": {k: [r.get(k, float("nan")) for r in rows] for k in CURVES}}
     done.write_text(json.dumps(res, indent=1))
     print(f"{arm} seed {seed}: {len(rows)} steps in {wall:.0f}s, no-hint accuracy "
           f"{study.overall(res['accuracy']):.3f}", flush=True)
     return res
+
+
+def held_out_accuracy(model, cfg, seed: int) -> dict:
+    """{"accuracy": by length} of the held-out problems, and {"split": hard split and rest}
+    when the run has rare operands (one sampling for both)."""
+    problems, rewards = toy_job.held_out_rewards(model, cfg, seed=seed)
+    out = {"accuracy": toy_job.by_length(problems, rewards)}
+    if cfg.task.toy.rare_operands:
+        out["split"] = toy_job.accuracy_by_split(problems, rewards, cfg.task.toy.rare_operands)
+    return out
 
 
 def start_accuracy(seeds, out: Path, overrides: list[str],
@@ -142,8 +155,7 @@ def start_accuracy(seeds, out: Path, overrides: list[str],
         return [{**r, "accuracy": _int_keys(r["accuracy"])} for r in json.loads(path.read_text())]
     cfg = config.load_config(base, overrides)
     model = build.load_model(cfg)
-    res = [{"seed": s, "accuracy": toy_job.accuracy_by_length(model, cfg, seed=s)}
-           for s in seeds]
+    res = [{"seed": s, **held_out_accuracy(model, cfg, s)} for s in seeds]
     path.write_text(json.dumps(res, indent=1))
     return res
 

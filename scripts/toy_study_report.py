@@ -128,6 +128,8 @@ def arm_summary(rs: list[dict], grpo: list[dict]) -> dict:
     """The headline numbers of one arm's runs (paired with grpo's by seed)."""
     base = {r["seed"]: overall(r["accuracy"]) for r in grpo}
     diffs = [overall(r["accuracy"]) - base[r["seed"]] for r in rs if r["seed"] in base]
+    hard = {r["seed"]: r["split"]["hard"] for r in rs if "split" in r}
+    hard_base = {r["seed"]: r["split"]["hard"] for r in grpo if "split" in r}
     zero = sum(r["rescue"]["all_zero"] for r in rs)
     rescued = sum(r["rescue"]["mixed"] for r in rs)  # re-sampled groups that came back mixed
     hinted = sum(r["rescue"].get("hinted", 0) for r in rs)
@@ -136,6 +138,9 @@ def arm_summary(rs: list[dict], grpo: list[dict]) -> dict:
     ratio = [r["median_step_s"] / grpo_step[r["seed"]] for r in rs if r["seed"] in grpo_step]
     return {"acc": [overall(r["accuracy"]) for r in rs], "diff": diffs,
             "by_seed": {r["seed"]: overall(r["accuracy"]) for r in rs},
+            "hard": list(hard.values()), "hard_by_seed": hard,
+            "hard_diff": [v - hard_base[s] for s, v in hard.items() if s in hard_base],
+            "rest": [r["split"]["rest"] for r in rs if "split" in r],
             "never": [r["never_solved"]["any"] for r in rs],
             "never_unhinted": [r["never_solved"]["unhinted"] for r in rs],
             "rescue_share": rescued / zero if zero else float("nan"),
@@ -147,12 +152,14 @@ def arm_summary(rs: list[dict], grpo: list[dict]) -> dict:
 
 def claims(summ: dict, arms: list[str]) -> list[str]:
     """The paper's claims, each with what this study measured and whether it holds here."""
-    def diff(a, b=None):
+    def diff(a, b=None, key="by_seed"):
         if a not in summ or (b and b not in summ):
             return None
         if b is None:
-            return summ[a]["diff"]
-        pa, pb = summ[a]["by_seed"], summ[b]["by_seed"]
+            b = "grpo"
+            if b not in summ:
+                return summ[a]["diff"] if key == "by_seed" else summ[a]["hard_diff"]
+        pa, pb = summ[a][key], summ[b][key]
         return [pa[s] - pb[s] for s in pa if s in pb]
 
     def verdict(values):
@@ -172,14 +179,21 @@ def claims(summ: dict, arms: list[str]) -> list[str]:
                        ("online hints >= offline hints", "sage-online", "sage-offline"),
                        ("on-policy (hinted) context > plain context", "sage-ref",
                         "sage-ref-plain"),
-                       ("SAGE-light > GRPO", "sage_light-ref", None)):
-        if a in arms:
+                       ("self-written (online) vs reference hints", "sage-online", "sage-ref"),
+                       ("on-policy (hinted) context > plain context (self-written hints)",
+                        "sage-online", "sage-online-plain"),
+                       ("SAGE-light > GRPO", "sage_light-ref", None),
+                       ("SAGE-light > GRPO (self-written hints)", "sage_light-online", None)):
+        if a in arms and (b is None or b in arms):
             out.append(f"- {name}: accuracy difference {verdict(diff(a, b))}"
+                       + (f"; on the hard split {verdict(diff(a, b, 'hard_by_seed'))}"
+                          if summ[a]["hard"] else "")
                        + (f" — {untested(summ[a])}" if untested(summ[a]) else ""))
-    if "sage-ref" in summ and "grpo" in summ:
-        ns, ng = interval(summ["sage-ref"]["never"])[0], interval(summ["grpo"]["never"])[0]
-        out.append(f"- fewer never-solved prompts (SAGE vs GRPO): {ns:.3f} vs {ng:.3f}")
-    for a in ("sage_light-ref", "sage-ref"):
+    for a in ("sage-ref", "sage-online"):
+        if a in summ and "grpo" in summ:
+            ns, ng = interval(summ[a]["never"])[0], interval(summ["grpo"]["never"])[0]
+            out.append(f"- fewer never-solved prompts ({a} vs GRPO): {ns:.3f} vs {ng:.3f}")
+    for a in ("sage_light-ref", "sage-ref", "sage-online", "sage_light-online"):
         if a in summ and summ[a]["time_ratio"]:
             out.append(f"- cost of {a} vs GRPO (median step time): "
                        f"{np.median(summ[a]['time_ratio']):.2f}×")
@@ -234,6 +248,16 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
                      f"{fmt(s['diff']) if a != 'grpo' else ''} | {fmt(s['never'])} | "
                      f"{fmt(s['never_unhinted'])} | {share} | {solved} | {ratio} | "
                      f"{untested(s)} |")
+    if any(summ[a]["hard"] for a in arms):
+        lines += ["", "## No-hint accuracy on the hard split (problems that use a rare operand) "
+                  "and on the rest", "",
+                  "| arm | hard split | paired Δ vs grpo (hard) | rest |", "|---|---|---|---|",
+                  f"| SFT start | {fmt([r['split']['hard'] for r in start if 'split' in r])} | "
+                  f"| {fmt([r['split']['rest'] for r in start if 'split' in r])} |"]
+        for a in arms:
+            s = summ[a]
+            lines.append(f"| {a} | {fmt(s['hard'])} | "
+                         f"{fmt(s['hard_diff']) if a != 'grpo' else ''} | {fmt(s['rest'])} |")
     lines += ["", "## What the paper claims, and what holds here", "", *claims(summ, arms), "",
               "## No-hint accuracy by difficulty", "",
               "| steps (k) | SFT start | " + " | ".join(arms) + " |",

@@ -1,6 +1,6 @@
 """Pre-registration of the toy hard split (issue 33): GRPO runs only, no SAGE arm.
 
-    python scripts/toy_tail_regime.py --seeds 2 --steps 60 --out docs/toy_tail/regime
+    python scripts/toy_tail_regime.py --seeds 2 --steps 60 --out docs/toy_tail
 
 Runs GRPO from the hard split's warm start (`--config`, default configs/toy_tail.yaml) and
 measures, per seed, what decides whether the split is a regime where GRPO stalls:
@@ -11,8 +11,9 @@ measures, per seed, what decides whether the split is a regime where GRPO stalls
 - held-out no-hint accuracy of the start and the final policy, on the hard split (problems that
   use a rare operand) and on the rest.
 The criteria (`CRITERIA`) are checked and written, with the config, to OUT/regime.json and
-OUT/regime.md. Runs are `scripts/reproduce_toy.py`'s (`OUT/runs/grpo-s<seed>`), so a finished
-run is reused and the study later starts from the same GRPO runs.
+OUT/regime.md. Runs are `scripts/reproduce_toy.py`'s (`OUT/runs/grpo-s<seed>`, evaluated every
+30 steps), so the study (`reproduce_toy.py --config configs/toy_tail.yaml --out OUT`) reuses
+them as its grpo arm.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from sage_jax import config  # noqa: E402
 from sage_jax.infra import compile_cache  # noqa: E402
 from sage_jax.jobs import toy_job  # noqa: E402
 from sage_jax.run import build, restore  # noqa: E402
-from sage_jax.tasks.toy import calibrate, chains as toy, toy_plugin  # noqa: E402
+from sage_jax.tasks.toy import calibrate, chains as toy, toy_plugin, warm_start  # noqa: E402
 
 TAIL_CONFIG = REPO / "sage_jax" / "configs" / "toy_tail.yaml"
+EVAL_EVERY = 30  # the study's evaluation points (reproduce_toy.py --eval-every)
 CRITERIA = {"never_solved": 0.20, "first_pass_all_zero": 0.40, "l3_pass_never_solved": 0.25}
 
 
@@ -76,7 +78,22 @@ def measure(seed: int, run: dict, wd: Path, cfg, *, start_model) -> dict:
     }
 
 
-def report(rows: list[dict], cfg_text: str, command: str) -> tuple[str, dict]:
+def start_gate(model, cfg, out: Path) -> dict:
+    """The calibration gate of the warm start (what the default job prints before RL): pass
+    rates with no hint and each reference level, and its own hint writing (greedy)."""
+    path = out / "gate.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    cal = calibrate.calibrate(model, spec=warm_start.spec(cfg), task=warm_start.make_task(cfg),
+                              problems_per_length=cfg.task.toy.calibrate_per_length,
+                              group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
+                              method="sage", hint_source="online")
+    cal["text"] = calibrate.format_calibration(cal)
+    path.write_text(json.dumps(cal, indent=1, default=str))
+    return cal
+
+
+def report(rows: list[dict], cfg_text: str, command: str, gate: dict) -> tuple[str, dict]:
     means = {k: float(np.mean([r[k] for r in rows])) for k in CRITERIA}
     ok = {k: means[k] > v if k.startswith("l3") else means[k] >= v for k, v in CRITERIA.items()}
     lines = ["# The toy hard split: pre-registered from GRPO runs only", "",
@@ -96,6 +113,9 @@ def report(rows: list[dict], cfg_text: str, command: str) -> tuple[str, dict]:
     for k, v in CRITERIA.items():
         op = ">" if k.startswith("l3") else ">="
         lines.append(f"- {k}: {means[k]:.3f} (want {op} {v}): {'met' if ok[k] else 'NOT met'}")
+    lines += ["", "The warm start's calibration gate (step 0; sampled groups of 8 per problem "
+              "with no hint and each reference level, and its own greedy hint writing; "
+              f"{gate['problems']} problems):", "", "```", gate["text"], "```"]
     lines += ["", "The config these runs used:", "", "```yaml", cfg_text.rstrip(), "```"]
     return "\n".join(lines) + "\n", {"means": means, "met": ok}
 
@@ -106,9 +126,9 @@ def main(argv=None) -> str:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--problems", type=int, default=128, help="training prompt pool")
-    ap.add_argument("--eval-per-length", type=int, default=16)
+    ap.add_argument("--eval-per-length", type=int, default=32)
     ap.add_argument("--config", default=str(TAIL_CONFIG))
-    ap.add_argument("--out", default="docs/toy_tail/regime")
+    ap.add_argument("--out", default="docs/toy_tail")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = ap.parse_args(argv)
     overrides = [f"task.toy.eval_per_length={args.eval_per_length}",
@@ -119,10 +139,12 @@ def main(argv=None) -> str:
     compile_cache.enable(base.train.compile_cache)
     start_model = build.load_model(base)
     t0 = time.perf_counter()
+    gate = start_gate(start_model, base, out)
+    print(gate["text"], flush=True)
     rows = []
     for seed in range(args.seeds):
         run = reproduce_toy.run_one("grpo", seed, args.steps, out, overrides,
-                                    eval_every=args.steps, ckpt_every=10, base=args.config)
+                                    eval_every=EVAL_EVERY, ckpt_every=10, base=args.config)
         cfg = reproduce_toy.run_config("grpo", seed, args.steps, overrides, 10, args.config)
         rows.append(measure(seed, run, out / "runs" / f"grpo-s{seed}", cfg,
                             start_model=start_model))
@@ -130,7 +152,7 @@ def main(argv=None) -> str:
     command = ("python scripts/toy_tail_regime.py " + " ".join(
         [f"--seeds {args.seeds}", f"--steps {args.steps}", f"--problems {args.problems}",
          f"--eval-per-length {args.eval_per_length}", f"--out {args.out}", *args.overrides]))
-    text, verdict = report(rows, Path(args.config).read_text(), command)
+    text, verdict = report(rows, Path(args.config).read_text(), command, gate)
     (out / "regime.json").write_text(json.dumps(
         {"rows": rows, **verdict, "criteria": CRITERIA, "config": Path(args.config).read_text(),
          "overrides": overrides}, indent=1))

@@ -327,7 +327,9 @@ class ToyConfig(_Section):
     sft_rare_share: float = 0.0  # Share of the warm start's SFT problems with one (0: never).
     hint_format: Literal["payload", "level"] = "payload"  # One JSON reply, or one per level.
     sft_write_share: float = 0.1  # Share of hint-writing examples in the warm start's SFT mix.
-    sft_target_write_prob: float = 0.0  # Also stop SFT only once P(exact level-3 hint) >= this.
+    # > 0: SFT also runs until P(exact hint) >= this and hinted step accuracy reaches the
+    # target, at every level.
+    sft_target_write_prob: float = 0.0
 
     def validate(self) -> None:
         _require(1 <= self.min_steps <= self.max_steps <= 20, "task.toy.min_steps/max_steps",

@@ -103,7 +103,8 @@ class ScriptedToyPolicy:
     def answer(self, text: str) -> str:
         if text.startswith(toy.SOLUTION_TAG):
             solution, ends = text[2:].split("\n")
-            hints = toy.reference_hints(solution.rstrip(toy.PAD_CHAR))
+            solution = solution.rstrip(toy.PAD_CHAR).replace(toy.LEVEL_END, toy.STEP_SEP)
+            hints = toy.reference_hints(solution)
             if not self.copies:
                 hints = {lvl: "".join(str((int(c) + 1) % 10) if c.isdigit() else c for c in h)
                          for lvl, h in hints.items()}

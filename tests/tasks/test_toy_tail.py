@@ -52,11 +52,16 @@ def test_one_level_request_is_a_copy_at_one_fixed_offset():
         for level, req in reqs.items():
             hint = toy.reference_hints(p)[level]
             text = task.tok.decode(req)
-            assert text.startswith("S:" + p.solution) and "A:" not in text.split("\n")[1]
+            shown = text[2:].split("\n")[0].rstrip(toy.PAD_CHAR)
+            assert shown == hint + toy.LEVEL_END + p.solution[len(hint) + 1:]
+            assert "A:" not in text.split("\n")[1]
             lengths.add(len(req))
-            # the hint's i-th character is the solution's i-th, len(req) - 3 positions back
+            # the reply's i-th token (its <eos> too) is the one len(req) - 3 positions back,
+            # read as: a character of the solution, or the level's end mark
             full = req + task.encode_answer(hint)
             assert all(full[len(req) + i] == full[3 + i] for i in range(len(hint)))
+            assert full[3 + len(hint)] == task.tok.encode(toy.LEVEL_END)[0]
+            assert full[len(req) + len(hint)] == task.tok.eos_id
             assert task.read_hints(hint, level, p.answer) == ({level: hint}, 0)
     assert len(lengths) == 1
 
@@ -85,7 +90,7 @@ def test_sft_mix_writes_one_level_per_request():
         text, ans = task.tok.decode(prompt), task.tok.decode(answer)
         if not text.startswith("S:"):
             continue
-        solution = text[2:].split("\n")[0].rstrip(toy.PAD_CHAR)
+        solution = text[2:].split("\n")[0].rstrip(toy.PAD_CHAR).replace(toy.LEVEL_END, ";")
         got = [lvl for lvl, h in toy.reference_hints(solution).items() if h == ans]
         assert got, (text, ans)
         levels.update(got)

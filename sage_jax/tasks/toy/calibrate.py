@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sage_jax.core import sage
 from sage_jax.engine import sampling, sft_step as sft
 from sage_jax.models.decoder import Decoder
 from sage_jax.tasks.toy import chains as toy
@@ -153,8 +154,9 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
                progress: Callable[[str], None] | None = None):
     """A fresh toy model trained on the SFT mix until the teacher-forced single-step accuracy
     on held-out problems of `eval_spec` (the RL lengths, rare operands left out) reaches
-    `target_step_acc` (0: train all `steps`) and, with `target_write_prob`, the probability of
-    writing the level-3 hint exactly (`write_prob`) reaches it too.
+    `target_step_acc` (0: train all `steps`); with `target_write_prob`, also the single-step
+    accuracy after each reference hint level reaches it, and the probability of writing each
+    level's hint exactly (`write_prob`) reaches `target_write_prob`.
 
     Curriculum: while the single-step accuracy on held-out problems of 2..`short_max_steps`
     steps is below `short_target`, the SFT problems have at most `short_max_steps` steps (short
@@ -191,18 +193,26 @@ def warm_start(*, seed: int = 0, steps: int = SFT_DEFAULTS["steps"],
                     progress(f"sft: short problems learned (single-step accuracy "
                              f"{met['step_acc']:.3f} at step {state['step']}); now every length")
             return {"short_step_acc": met["step_acc"]}
-        near = target_step_acc and state["acc"] >= target_step_acc - 0.35
+        near = target_step_acc and target_step_acc - 0.35 <= state["acc"] < target_step_acc
         if state["step"] % (2 if near else eval_every):
             return {}
         met = step_accuracy(m, held_out, task=task)
         state["acc"] = met["step_acc"]
-        if target_write_prob:
-            met["write_prob_l3"] = write_prob(m, held_out, task=task, level=3)
+        if target_write_prob and met["step_acc"] >= target_step_acc:
+            for level in sage.LEVELS:
+                met[f"write_prob_l{level}"] = write_prob(m, held_out, task=task, level=level)
+                met[f"hinted_step_acc_l{level}"] = step_accuracy(
+                    m, held_out, task=task, level=level)["step_acc"]
         return met
 
     def stop(met):
-        return (met.get("step_acc", 0.0) >= target_step_acc
-                and met.get("write_prob_l3", 1.0) >= target_write_prob)
+        if met.get("step_acc", 0.0) < target_step_acc:
+            return False
+        if not target_write_prob:
+            return True
+        return all(met.get(f"write_prob_l{lv}", 0.0) >= target_write_prob
+                   and met.get(f"hinted_step_acc_l{lv}", 0.0) >= target_step_acc
+                   for lv in sage.LEVELS)
 
     return sft.train_sft(model, draw, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          pad_id=task.pad_id, warmup=warmup, eval_every=1 if eval_every else 0,

@@ -55,10 +55,12 @@ steps up to a named label, which the policy learns in SFT, rather than counting 
 payload is a JSON object with keys "1".."3", which `sage.parse_hints` reads.
 
 With `ToyTask(hint_format="level")` the policy is asked once per level, as the paper's
-Algorithm 1 samples one hint per level, and the solution is padded with `.` to the width of the
-longest solution, so the reply's i-th character is the one a fixed distance back (a copy that
-one attention head at one relative offset can do):
-    level request    S:e=7+3=0;d=0-8=2;c=2+3=5;b=5-8=7;a=7+3=0;A:0.....(to a fixed width)\nH?d:
+Algorithm 1 samples one hint per level. The solution is padded with `.` to the width of the
+longest solution and the level's end is marked with `|`, so the reply's i-th character is the
+one a fixed distance back, and the reply ends where that character is the mark: a copy that one
+attention head at one relative offset can do (with the end named only by the label after `H?`,
+a first warm start copied up to the last step every time: level 3 right 49 %, levels 1-2 0 %):
+    level request    S:e=7+3=0;d=0-8=2|c=2+3=5;b=5-8=7;a=7+3=0;A:0.....(to a fixed width)\nH?d:
                          -> e=7+3=0;d=0-8=2
 A reply that holds the last step (`a=...`) or an `A:` line gives the answer away: refused.
 
@@ -267,6 +269,7 @@ def toy_reward(response: str, ground_truth: str) -> float:
 
 HINT_FORMATS = ("payload", "level")
 PAD_CHAR = "."  # fills the solution of a one-level request to its fixed width
+LEVEL_END = "|"  # marks, in a one-level request, where the level's hint ends
 _STEP_RE = re.compile(r"^[a-t]=\d[-+][1-9]=\d$")
 
 
@@ -311,14 +314,18 @@ class ToyTask(PayloadHints):
         return f"{SOLUTION_TAG}{solution}\n{REQUEST_TAG}{ends}:"
 
     def level_request_text(self, solution: str, level: int) -> str | None:
-        """The request for one level: the padded solution, then after `H?` the label of the last
-        step the hint holds (None: the solution has no step for that level)."""
+        """The request for one level: the solution with `|` instead of the `;` after the last
+        step the hint holds, padded to the task's width, then after `H?` that step's label
+        (None: the solution has no step for that level)."""
         solution = _one_line(solution)
-        k = len(_steps_of(solution))
+        steps = _steps_of(solution)
         n = hint_lengths(solution).get(level, 0)
         if not n:
             return None
-        return f"{SOLUTION_TAG}{solution.ljust(self.width, PAD_CHAR)}\n{REQUEST_TAG}{LABELS[k - n]}:"
+        head = STEP_SEP.join(steps[:n])
+        marked = head + LEVEL_END + solution[len(head) + 1:]
+        return (f"{SOLUTION_TAG}{marked.ljust(self.width, PAD_CHAR)}\n"
+                f"{REQUEST_TAG}{LABELS[len(steps) - n]}:")
 
     def hint_requests(self, problem: str, solution: str) -> dict[int, list[int]]:
         """{0: the JSON request} ("payload"), or {level: that level's request} ("level")."""

@@ -1,8 +1,9 @@
 """The toy model's SFT warm start: `warm_started_model(cfg)` is the toy task's built-in model
 (what `run.build.load_model` returns with no model.path and task.toy.warm_start), the toy model
 after `calibrate.warm_start`. It comes from, in order:
-- the checkpoint shipped with the package (`PACKAGED`, made by `python -m sage_jax.sft --out
-  sage_jax/tasks/toy/toy_sft`), when it was made with the run's warm-start settings;
+- a checkpoint shipped with the package, when it was made with the run's warm-start settings:
+  `PACKAGED` (configs/toy.yaml's) or `PACKAGED_TAIL` (configs/toy_tail.yaml's), each a copy
+  of the cache folder below;
 - the cache, a Hugging Face folder under `task.toy.cache_dir` (default $SAGE_JAX_CACHE or
   ~/.cache/sage_jax), keyed by everything that shapes the warm start;
 - a fresh SFT, then cached.
@@ -21,7 +22,8 @@ from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.toy import calibrate
 
 DESIGN_VERSION = 5  # bump when the toy task's formats or the SFT recipe change
-PACKAGED = Path(__file__).with_name("toy_sft")  # the shipped warm start (see module docstring)
+PACKAGED = Path(__file__).with_name("toy_sft")  # the shipped warm starts (module docstring)
+PACKAGED_TAIL = Path(__file__).with_name("toy_tail_sft")
 
 
 def spec(cfg) -> toy.ToySpec:
@@ -49,6 +51,7 @@ def sft_mix(cfg) -> toy.SFTMix:
     return toy.SFTMix(plain=0.5 * (1 - write) / 0.9, hinted=0.4 * (1 - write) / 0.9, write=write)
 
 
+LEVEL_REQUEST_VERSION = 2  # bump when the one-level hint request's format changes
 # Settings that shape the warm start only when set; left out at their defaults, so the shipped
 # checkpoint's settings (made before they existed) still match a default run.
 _OPTIONAL = {"rare_operands": (), "sft_rare_share": 0.0, "hint_format": "payload",
@@ -67,7 +70,8 @@ def warm_start_settings(cfg) -> dict:
             "eval_spec": [t.min_steps, t.max_steps], "defaults": calibrate.SFT_DEFAULTS,
             "model": toy.toy_model_config().to_hf_dict(),
             **{k: list(v) if isinstance(v, tuple) else v
-               for k, d in _OPTIONAL.items() if (v := getattr(t, k)) != d}}
+               for k, d in _OPTIONAL.items() if (v := getattr(t, k)) != d},
+            **({"level_request": LEVEL_REQUEST_VERSION} if t.hint_format == "level" else {})}
 
 
 def cache_path(cfg) -> Path:
@@ -75,9 +79,10 @@ def cache_path(cfg) -> Path:
     return cache_root(cfg) / f"toy_sft-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
-def packaged_settings() -> dict | None:
-    """The warm-start settings the shipped checkpoint was made with (None: none shipped)."""
-    meta = PACKAGED / "sft.json"
+def packaged_settings(folder: Path | None = None) -> dict | None:
+    """The warm-start settings a shipped checkpoint (default `PACKAGED`) was made with (None:
+    none shipped there)."""
+    meta = (folder or PACKAGED) / "sft.json"
     return json.loads(meta.read_text())["settings"] if meta.is_file() else None
 
 
@@ -88,10 +93,11 @@ def _same(a: dict, b: dict) -> bool:
 
 def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
     """The SFT warm start of the toy model (shipped, cached, or trained now and cached)."""
-    shipped = packaged_settings()
-    if shipped is not None and _same(shipped, warm_start_settings(cfg)):
-        progress(f"warm start: the shipped SFT model {PACKAGED}")
-        return models.from_hf(PACKAGED, dtype=dtype, compute_dtype=compute_dtype)
+    for folder in (PACKAGED, PACKAGED_TAIL):
+        shipped = packaged_settings(folder)
+        if shipped is not None and _same(shipped, warm_start_settings(cfg)):
+            progress(f"warm start: the shipped SFT model {folder}")
+            return models.from_hf(folder, dtype=dtype, compute_dtype=compute_dtype)
     path = cache_path(cfg)
     if (path / "config.json").is_file():
         progress(f"warm start: cached SFT model {path}")

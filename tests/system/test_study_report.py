@@ -1,0 +1,38 @@
+"""The toy study's report (`scripts/toy_study_report.py`) on hand-made run results: the hard
+split's table and paired differences."""
+
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import toy_study_report as study  # noqa: E402
+
+
+def _run(arm, seed, acc, hard, rest):
+    return {"arm": arm, "seed": seed, "steps": 2, "median_step_s": 1.0 + (arm != "grpo"),
+            "accuracy": {8: acc, 9: acc}, "split": {"hard": hard, "rest": rest},
+            "never_solved": {"any": 0.5, "unhinted": 0.5},
+            "rescue": {"all_zero": 4, "mixed": 2, "hinted": 2, "hinted_solved": 1,
+                       "rate": {1: 0.0, 2: 0.5, 3: 1.0}, "tried": [2, 2, 1]},
+            "transfer": {"hinted": [1, 2], "resampled": [0, 0], "stayed": [0, 1]},
+            "curve": [{"step": 2, "tokens": 10.0, "seconds": 2.0, "accuracy": {8: acc, 9: acc}}],
+            "curves": {k: [0.5, 0.5] for k in ("reward/mean", "collapse/frac_all_zero",
+                                                "collapse/frac_all_zero_after")}}
+
+
+def test_report_pairs_the_hard_split_by_seed(tmp_path):
+    runs = [_run("grpo", 0, 0.5, 0.0, 0.9), _run("grpo", 1, 0.6, 0.1, 0.9),
+            _run("sage-online", 0, 0.6, 0.2, 0.9), _run("sage-online", 1, 0.7, 0.4, 0.95)]
+    start = [{"seed": s, "accuracy": {8: 0.4, 9: 0.4}, "split": {"hard": 0.0, "rest": 0.8}}
+             for s in (0, 1)]
+    text = study.report(runs, start, ["grpo", "sage-online"], tmp_path, "note")
+    assert "## No-hint accuracy on the hard split" in text
+    # hard split: sage-online 0.2, 0.4 vs grpo 0.0, 0.1 -> paired differences 0.2, 0.3
+    m, h = study.interval([0.2 - 0.0, 0.4 - 0.1])
+    assert f"| sage-online | 0.300 ± {study.interval([0.2, 0.4])[1]:.3f} | {m:.3f} ± {h:.3f} |" \
+        in text
+    assert "SAGE > GRPO (self-written hints): accuracy difference" in text
+    assert f"on the hard split {m:+.3f} ± {h:.3f}" in text
+    assert (tmp_path / "accuracy.png").is_file()
