@@ -11,8 +11,9 @@ sage_light-ref (SAGE-light with reference hints). The study's prompt pool
 (`--problems`, default 128 prompts at 16 per step) is small enough that prompts are revisited,
 so SAGE-light has levels to carry and hint transfer can be measured.
 
-Runs go to OUT/runs/<arm>-s<seed>. Re-running the same command resumes: a finished run (its
-`study.json` exists) is skipped; an unfinished one continues from its last checkpoint (every
+Runs go to OUT/runs/<arm>-s<seed> (not committed); a finished run's result is also written to
+OUT/results/<arm>-s<seed>.json (small, committed). Re-running the same command resumes: a
+finished run (either file exists) is skipped; an unfinished one continues from its last checkpoint (every
 `--checkpoint-every` steps). Each run is evaluated without hints at every `--eval-every` steps
 (and at its end) on the same held-out problems, for accuracy against sampled tokens and
 wall-clock. The report (`toy_study_report.py`) is written from all finished runs, so a study may
@@ -103,8 +104,11 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
     """Trains (or resumes) one run, evaluates its checkpoints; cached in the run folder."""
     wd = out / "runs" / f"{arm}-s{seed}"
     done = wd / "study.json"
+    kept = out / "results" / f"{arm}-s{seed}.json"
     if done.is_file():
         return _read_result(done)
+    if kept.is_file():  # a finished run of an earlier session (its run folder is gone)
+        return _read_result(kept)
     cfg = run_config(arm, seed, steps, overrides, ckpt_every, base)
     t0 = time.perf_counter()
     loop.train(cfg, wd)
@@ -132,6 +136,8 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
            **_visit_numbers(groups, rows),
            "curves": {k: [r.get(k, float("nan")) for r in rows] for k in CURVES}}
     done.write_text(json.dumps(res, indent=1))
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(res, indent=1))
     print(f"{arm} seed {seed}: {len(rows)} steps in {wall:.0f}s, no-hint accuracy "
           f"{study.overall(res['accuracy']):.3f}", flush=True)
     return res
@@ -213,9 +219,10 @@ def main(argv=None) -> str:
     for s in seeds:
         for a in arms:
             done = out / "runs" / f"{a}-s{s}" / "study.json"
+            kept = out / "results" / f"{a}-s{s}.json"
             if args.report_only:
-                if done.is_file():
-                    results.append(_read_result(done))
+                if done.is_file() or kept.is_file():
+                    results.append(_read_result(done if done.is_file() else kept))
                 continue
             results.append(run_one(a, s, args.steps, out, overrides,
                                    eval_every=args.eval_every, ckpt_every=args.checkpoint_every,

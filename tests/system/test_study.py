@@ -59,3 +59,9 @@ def test_study_runs_resumes_a_killed_run_and_skips_finished_ones(tmp_path, monke
         raise AssertionError("a finished run was trained again")
     monkeypatch.setattr(loop, "train", no_training)
     assert reproduce_toy.main(args) == text
+    # a later session: the run folders are gone, the committed results are enough
+    import shutil
+    shutil.rmtree(out / "runs")
+    assert sorted(p.name for p in (out / "results").iterdir()) == ["grpo-s0.json",
+                                                                   "sage-ref-s0.json"]
+    assert reproduce_toy.main(args) == text
