@@ -45,7 +45,9 @@ class HintSource:
                  task: Task, sampler: GroupSampler, tables: SageTables, step: int):
         self.hint, self.examples, self.ids = hint, examples, dataset_ids
         self.task, self.sampler, self.tables, self.step = task, sampler, tables, step
-        self.source = "online" if hint.source == "auto" else hint.source  # auto: the toy job
+        # column and reference read hints; every other source has the policy write them, and
+        # only offline keeps them for the run (auto a job's gate has not resolved writes online)
+        self.source = hint.source
         self.payloads: dict[int, dict[int, str]] = {}
         self.written_text: dict[int, str] = {}  # row -> what the policy wrote this step
         self.counts: dict[str, int] = dict.fromkeys(
