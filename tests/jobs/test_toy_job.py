@@ -79,14 +79,18 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
         monkey.undo()
 
 
-def test_shipped_warm_start_matches_the_default_config():
-    """The checkpoint under sage_jax/tasks/toy/toy_sft is what the default job loads: it must have
-    been made with configs/toy.yaml's warm-start settings (else every fresh run retrains)."""
-    cfg = config.load_config(config.DEFAULT_CONFIG, [])
-    shipped = warm_start.packaged_settings()
-    assert shipped is not None, f"no shipped warm start in {warm_start.PACKAGED}"
+@pytest.mark.parametrize("name,folder", [("toy", "PACKAGED"), ("toy_tail", "PACKAGED_TAIL")])
+def test_shipped_warm_start_matches_its_config(name, folder):
+    """The checkpoints under sage_jax/tasks/toy/ are what the toy jobs load: each must have been
+    made with its config's warm-start settings (else every fresh run retrains)."""
+    cfg = config.load_config(name, [])
+    folder = getattr(warm_start, folder)
+    shipped = warm_start.packaged_settings(folder)
+    assert shipped is not None, f"no shipped warm start in {folder}"
     assert warm_start._same(shipped, warm_start.warm_start_settings(cfg))
-    assert (warm_start.PACKAGED / "model.safetensors").is_file()
+    assert (folder / "model.safetensors").is_file()
+    other = config.load_config(name, ["task.toy.sft_seed=7"])
+    assert not warm_start._same(shipped, warm_start.warm_start_settings(other))
 
 
 def test_accuracy_by_split_separates_the_hard_split():

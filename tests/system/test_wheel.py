@@ -43,6 +43,7 @@ def installed(tmp_path_factory):
     names = zipfile.ZipFile(wheel).namelist()
     assert "sage_jax/configs/toy.yaml" in names
     assert "sage_jax/tasks/toy/toy_sft/model.safetensors" in names
+    assert "sage_jax/tasks/toy/toy_tail_sft/model.safetensors" in names
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
