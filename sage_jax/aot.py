@@ -30,6 +30,7 @@ from sage_jax import config as config_lib, models
 from sage_jax.engine import compile_check
 from sage_jax.models.presets import PRESETS
 from sage_jax.run import build
+from sage_jax.tasks import registry
 
 
 def parse(argv=None):
@@ -66,7 +67,7 @@ def model_dims(cfg, preset: str | None = None, hf_config: str | None = None
 def main(argv=None):
     def run():
         args = parse(argv)
-        cfg = config_lib.load_config(args.config or config_lib.DEFAULT_CONFIG, args.overrides)
+        cfg = registry.load_config(args.config or config_lib.DEFAULT_CONFIG, args.overrides)
         dims = model_dims(cfg, args.preset, args.hf_config)
         log = None if args.json else (lambda line: print(line, flush=True))
         if log:

@@ -13,6 +13,7 @@ from typing import Sequence
 from sage_jax.infra import cli
 from sage_jax import config as config_lib
 from sage_jax.tasks.toy import warm_start
+from sage_jax.tasks import registry
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     def run():
-        cfg = config_lib.load_config(args.config or config_lib.DEFAULT_CONFIG, args.overrides)
+        cfg = registry.load_config(args.config or config_lib.DEFAULT_CONFIG, args.overrides)
         warm_start.train_warm_start(cfg, args.out, progress=print)
         print(f"saved {args.out}")
 

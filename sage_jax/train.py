@@ -17,6 +17,7 @@ from sage_jax.infra import checkpoint, cli
 from sage_jax import config as config_lib
 from sage_jax.jobs import train_job
 from sage_jax.run.loop import TrainingError
+from sage_jax.tasks import registry
 
 
 def parse(argv=None):
@@ -32,7 +33,7 @@ def parse(argv=None):
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. rl.method=grpo optim.lr=3e-6 train.steps=10")
     args = p.parse_args(argv)
-    cfg = config_lib.load_config(args.config or config_lib.DEFAULT_CONFIG, args.overrides)
+    cfg = registry.load_config(args.config or config_lib.DEFAULT_CONFIG, args.overrides)
     workdir = args.workdir or cfg.train.workdir or Path("runs") / datetime.datetime.now(
     ).strftime("%Y%m%d-%H%M%S")
     return cfg, workdir

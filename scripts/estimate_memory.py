@@ -23,9 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sage_jax import config as config_lib, models  # noqa: E402
+from sage_jax import models  # noqa: E402
 from sage_jax.models.presets import PRESETS  # noqa: E402
 from sage_jax.engine import compile_check as aot, memory, sampling  # noqa: E402
+from sage_jax.tasks import registry  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -92,7 +93,7 @@ def mesh_shape(args, cfg) -> dict:
 
 def run_estimate(args):
     """(Estimate, settings dict) for the parsed command line."""
-    cfg = config_lib.load_config(args.config, args.overrides)
+    cfg = registry.load_config(args.config, args.overrides)
     mcfg, source = model_config(args, cfg)
     rl, m = cfg.rl, cfg.model
     prompts = args.prompts or rl.prompts_per_step
@@ -160,7 +161,7 @@ def compiled_peaks(args, settings) -> dict:
     """XLA's per-device peaks of the same run compiled for `args.xla` (`sage_jax.engine.compile_check`):
     the train step's, and the largest rollout program's with the optimiser state resident."""
     mesh = settings["mesh"]
-    cfg = config_lib.load_config(args.config, [*args.overrides, *(
+    cfg = registry.load_config(args.config, [*args.overrides, *(
         f"mesh.{k}={v}" for k, v in mesh.items())])
     mcfg, _ = model_config(args, cfg)
     report = aot.check_run(cfg, mcfg, args.xla, prompt_len=settings["prompt_len"],

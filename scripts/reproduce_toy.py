@@ -43,7 +43,9 @@ from sage_jax.infra.metrics import GROUPS_FILE, read_metrics  # noqa: E402
 from sage_jax.run import build, loop, restore  # noqa: E402
 from sage_jax.tasks.toy import chains as toy  # noqa: E402
 from sage_jax.tasks.toy import calibrate as toy_calibrate  # noqa: E402
+from sage_jax.tasks import registry  # noqa: E402
 from sage_jax.tasks.toy import warm_start  # noqa: E402
+from sage_jax.tasks.toy.toy_config import ToyConfig  # noqa: E402
 
 ARMS = {
     "grpo": ["rl.method=grpo"],
@@ -88,7 +90,7 @@ def _visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
 
 def run_config(arm: str, seed: int, steps: int, overrides: list[str], ckpt_every: int,
                base: str = config.DEFAULT_CONFIG):
-    return config.load_config(base, [
+    return registry.load_config(base, [
         *ARMS[arm], f"train.seed={seed}", f"train.steps={steps}", "task.toy.calibrate=false",
         "task.toy.report=false", "train.samples_every=0", f"checkpoint.every={ckpt_every}",
         "checkpoint.keep=1000", *overrides])
@@ -148,8 +150,8 @@ def held_out_accuracy(model, cfg, seed: int) -> dict:
     when the run has rare operands (one sampling for both)."""
     problems, rewards = toy_job.held_out_rewards(model, cfg, seed=seed)
     out = {"accuracy": toy_job.by_length(problems, rewards)}
-    if cfg.task.toy.rare_operands:
-        out["split"] = toy_job.accuracy_by_split(problems, rewards, cfg.task.toy.rare_operands)
+    if cfg.task.section(ToyConfig).rare_operands:
+        out["split"] = toy_job.accuracy_by_split(problems, rewards, cfg.task.section(ToyConfig).rare_operands)
     return out
 
 
@@ -159,7 +161,7 @@ def start_accuracy(seeds, out: Path, overrides: list[str],
     path = out / "sft_start.json"
     if path.is_file():
         return [{**r, "accuracy": _int_keys(r["accuracy"])} for r in json.loads(path.read_text())]
-    cfg = config.load_config(base, overrides)
+    cfg = registry.load_config(base, overrides)
     model = build.load_model(cfg)
     res = [{"seed": s, **held_out_accuracy(model, cfg, s)} for s in seeds]
     path.write_text(json.dumps(res, indent=1))
@@ -172,8 +174,8 @@ def write_accuracy(out: Path, overrides: list[str], base: str = config.DEFAULT_C
     if path.is_file():
         res = json.loads(path.read_text())
         return {**res, "acc": _int_keys(res["acc"])}
-    cfg = config.load_config(base, overrides)
-    problems = toy.make_problems(cfg.task.toy.eval_per_length, warm_start.spec(cfg),
+    cfg = registry.load_config(base, overrides)
+    problems = toy.make_problems(cfg.task.section(ToyConfig).eval_per_length, warm_start.spec(cfg),
                                  seed=toy_job.EVAL_SEED, per_length=True)
     res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems,
                                             task=warm_start.make_task(cfg))
@@ -210,7 +212,7 @@ def main(argv=None) -> str:
                  f"task.toy.problems={args.problems}", *args.overrides]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    compile_cache.enable(config.load_config(args.config, overrides).train.compile_cache)
+    compile_cache.enable(registry.load_config(args.config, overrides).train.compile_cache)
     seeds = list(range(args.seeds))
     t0 = time.perf_counter()
     start = start_accuracy(seeds, out, overrides, args.config)
@@ -227,8 +229,8 @@ def main(argv=None) -> str:
             results.append(run_one(a, s, args.steps, out, overrides,
                                    eval_every=args.eval_every, ckpt_every=args.checkpoint_every,
                                    base=args.config))
-    base = config.load_config(args.config, overrides)
-    t = base.task.toy
+    base = registry.load_config(args.config, overrides)
+    t = base.task.section(ToyConfig)
     note = (f"Toy task (chain arithmetic, lengths {t.min_steps}..{t.max_steps}), toy model "
             f"warm-started by SFT (seed {t.sft_seed}), then {args.steps} RL steps of "
             f"{base.rl.prompts_per_step} prompts × {base.rl.group_size} answers from a pool of "

@@ -30,7 +30,9 @@ from sage_jax import config as config_lib, models
 from sage_jax.infra import metrics as metrics_lib, rewards
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.run import build, loop, restore
+from sage_jax.tasks import registry
 from sage_jax.tasks.words import words_plugin as plugin
+from sage_jax.tasks.words.words_config import WordsConfig
 
 HERE = Path(__file__).resolve().parent
 EVAL_KEY = 4242
@@ -48,12 +50,12 @@ def with_overrides(cfg, **sections):
     d = config_lib.to_dict(cfg)
     for section, values in sections.items():
         d[section] = {**d[section], **values}
-    return config_lib.from_dict(d)
+    return registry.from_dict(d)
 
 
 def pass_rates(model, cfg, *, per_length: int, samples: int) -> dict[str, np.ndarray]:
     """{"words-k": pass rate of each held-out problem of k steps} (no hints)."""
-    w = cfg.task.words
+    w = cfg.task.section(WordsConfig)
     problems = plugin.held_out(per_length, w.min_steps, w.max_steps)
     task = build.load_task(cfg)
     graphdef, params = models.split(model)
@@ -175,7 +177,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     convert(model_dir)
     t_conv = time.perf_counter()
-    cfg = config_lib.load_config("smollm2_words", [f"model.path={model_dir}", *args.overrides])
+    cfg = registry.load_config("smollm2_words", [f"model.path={model_dir}", *args.overrides])
     start = build.load_model(cfg)  # the warm start (trained now, or from the cache)
     warm_s = time.perf_counter() - t_conv
     ev = dict(per_length=args.eval_per_length, samples=args.eval_samples)

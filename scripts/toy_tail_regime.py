@@ -33,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import reproduce_toy  # noqa: E402
 import toy_study_report as study  # noqa: E402
-from sage_jax import config  # noqa: E402
 from sage_jax.infra import compile_cache  # noqa: E402
 from sage_jax.jobs import toy_job  # noqa: E402
 from sage_jax.run import build, restore  # noqa: E402
+from sage_jax.tasks import registry  # noqa: E402
 from sage_jax.tasks.toy import calibrate, chains as toy, toy_plugin, warm_start  # noqa: E402
+from sage_jax.tasks.toy.toy_config import ToyConfig  # noqa: E402
 
 TAIL_CONFIG = REPO / "sage_jax" / "configs" / "toy_tail.yaml"
 EVAL_EVERY = 30  # the study's evaluation points (reproduce_toy.py --eval-every)
@@ -51,7 +52,7 @@ def measure(seed: int, run: dict, wd: Path, cfg, *, start_model) -> dict:
     first = [v["collapse"] == study.ALL_ZERO for xs in vs.values() for v in xs]
     never = sorted(i for i, xs in vs.items() if not any(v["solved"] for v in xs))
     examples = toy_plugin.examples(cfg)
-    rare_ops = cfg.task.toy.rare_operands
+    rare_ops = cfg.task.section(ToyConfig).rare_operands
     problems = [toy.ToyProblem.parse(examples[i].problem) for i in never]
     _, final, _ = restore.restore_policy(wd)
     l3 = [p for p in problems if 3 in toy.reference_hints(p)]
@@ -85,7 +86,7 @@ def start_gate(model, cfg, out: Path) -> dict:
     if path.is_file():
         return json.loads(path.read_text())
     cal = calibrate.calibrate(model, spec=warm_start.spec(cfg), task=warm_start.make_task(cfg),
-                              problems_per_length=cfg.task.toy.calibrate_per_length,
+                              problems_per_length=cfg.task.section(ToyConfig).calibrate_per_length,
                               group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
                               method="sage", hint_source="online")
     cal["text"] = calibrate.format_calibration(cal)
@@ -135,7 +136,7 @@ def main(argv=None) -> str:
                  f"task.toy.problems={args.problems}", *args.overrides]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    base = config.load_config(args.config, overrides)
+    base = registry.load_config(args.config, overrides)
     compile_cache.enable(base.train.compile_cache)
     start_model = build.load_model(base)
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import sys
 from sage_jax.infra import checkpoint
 from sage_jax import config, train
 from sage_jax.run import loop
+from sage_jax.tasks import registry
 
 ARGS = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16", "rl.minibatches=2",
         "checkpoint.every=1", "train.samples_every=0", "task.toy.warm_start=false",
@@ -19,7 +20,7 @@ LIMIT_BYTES = 200_000  # below the size of a parameter file, above that of metri
 
 
 def main(workdir: str) -> None:
-    loop.train(config.load_config(config.DEFAULT_CONFIG, ARGS + ["train.steps=1"]), workdir)
+    loop.train(registry.load_config(config.DEFAULT_CONFIG, ARGS + ["train.steps=1"]), workdir)
     real_save = checkpoint.Checkpointer.save
 
     def save_on_a_full_disk(self, step, state, **kw):

@@ -67,7 +67,8 @@ _STEP = ["train.steps=1", "rl.method=grpo", "rl.minibatches=1", "optim.lr=0.01",
 def _train(workdir: Path, overrides: list[str]) -> None:
     from sage_jax.run import loop
     from sage_jax import config
-    cfg = config.load_config(config.DEFAULT_CONFIG, _STEP + overrides)
+    from sage_jax.tasks import registry
+    cfg = registry.load_config(config.DEFAULT_CONFIG, _STEP + overrides)
     loop.train(cfg, workdir)
 
 

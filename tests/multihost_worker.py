@@ -18,6 +18,7 @@ import numpy as np
 from sage_jax.run import loop
 from sage_jax.run import restore
 from sage_jax.infra import distributed
+from sage_jax.tasks import registry
 
 # rl.reward_timeout_s: a fresh reward worker imports the toy task (jax, flax) on its first answer,
 # which can take more than the default 5 s on a loaded 2-core machine.
@@ -50,7 +51,7 @@ def main(workdir: str, report: str, die_after: int | None = None) -> None:
 
         loop._step = step_then_die
     out = {"helpers": helpers()}
-    cfg = config.load_config(config.DEFAULT_CONFIG, ARGS)
+    cfg = registry.load_config(config.DEFAULT_CONFIG, ARGS)
     metrics = loop.train(cfg, workdir)
     _, model, step = restore.restore_policy(workdir)  # every process restores (orbax needs all)
     out.update(process_index=jax.process_index(), process_count=jax.process_count(),

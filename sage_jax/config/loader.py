@@ -12,7 +12,11 @@ installed wheel. `DEFAULT_CONFIG` is the built-in toy job's.
 
 Every key is checked: an unknown or misspelled key, a value of the wrong type, a value outside a
 `Literal`'s choices or outside a field's allowed range is a `ConfigError` that names the dotted key
-and says what is allowed. This module knows nothing of the schema beyond its root, `Config`.
+and says what is allowed. This module knows nothing of the schema beyond its root, `Config`, and
+`TaskConfig`'s open slots: `task.<name>` sections come from a task table `{name: section class or
+None}` passed in as `tasks` (the task plug-ins' table is `sage_jax.tasks.registry.SECTIONS`;
+`registry.load_config` passes it). Without a table, `task.name` is any name and no task section
+is known.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
-from sage_jax.config.schema import Config, ConfigError
+from sage_jax.config.schema import Config, ConfigError, TaskConfig
+
+Tasks = Mapping[str, "type | None"]  # task name -> its plug-in's config section (None: none)
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"  # the configs shipped with the package
 DEFAULT_CONFIG = CONFIG_DIR / "toy.yaml"  # what `python -m sage_jax.train` runs without --config
@@ -40,6 +46,15 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _fields(cls: type, tasks: Tasks) -> dict[str, Any]:
+    """The keys of section `cls` and their types; `TaskConfig`'s are `name` and the table's
+    sections."""
+    if cls is not TaskConfig:
+        return _field_types(cls)
+    name: Any = Literal.__getitem__(tuple(tasks)) if tasks else str
+    return {"name": name, **{task: section for task, section in tasks.items() if section}}
+
+
 def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
@@ -48,26 +63,29 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
+def _all_keys(cls: type, tasks: Tasks, prefix: str = "") -> list[str]:
     """Every dotted key of the schema rooted at `cls`, sections included."""
     keys = []
-    for name, tp in _field_types(cls).items():
+    for name, tp in _fields(cls, tasks).items():
         keys.append(_join(prefix, name))
         if _is_section(tp):
-            keys += _all_keys(tp, _join(prefix, name))
+            keys += _all_keys(tp, tasks, _join(prefix, name))
     return keys
 
 
-def _unknown_key(cls: type, name: str, prefix: str, root: type) -> ConfigError:
+def _unknown_key(cls: type, name: str, prefix: str, root: type, tasks: Tasks) -> ConfigError:
     """The error for key `name` not being a field of section `cls` (at dotted `prefix`)."""
     key = _join(prefix, name)
-    match = difflib.get_close_matches(name, list(_field_types(cls)), n=1)
+    match = difflib.get_close_matches(name, list(_fields(cls, tasks)), n=1)
     suggestion = _join(prefix, match[0]) if match else None
     if suggestion is None:  # Maybe the right field in the wrong section, e.g. `group_size`.
-        leaves = {k.rsplit(".", 1)[-1]: k for k in _all_keys(root)}
+        leaves = {k.rsplit(".", 1)[-1]: k for k in _all_keys(root, tasks)}
         match = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.8)
         suggestion = leaves[match[0]] if match else None
     hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
+    if cls is TaskConfig and not tasks and not hint:
+        hint = (" (task sections are known only to a loader given the task table: "
+                "sage_jax.tasks.registry.load_config)")
     return ConfigError(f"unknown config key '{key}'{hint}", key=key)
 
 
@@ -85,7 +103,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(value: Any, tp: Any, key: str, root: type) -> Any:
+def _convert(value: Any, tp: Any, key: str, root: type, tasks: Tasks) -> Any:
     """`value` checked against (and, where lossless, coerced to) type `tp`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if _is_section(tp):
@@ -93,14 +111,14 @@ def _convert(value: Any, tp: Any, key: str, root: type) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(
                 f"config key '{key}' is a section and expects a mapping, got {value!r}", key=key)
-        return _build(tp, value, key, root)
+        return _build(tp, value, key, root, tasks)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         for arg in args:
             if arg is not type(None):
                 try:
-                    return _convert(value, arg, key, root)
+                    return _convert(value, arg, key, root, tasks)
                 except ConfigError:
                     pass
     elif origin is Literal:
@@ -114,7 +132,8 @@ def _convert(value: Any, tp: Any, key: str, root: type) -> Any:
             raise ConfigError(f"invalid value {value!r} for config key '{key}': expected "
                               f"{_type_name(tp)}", key=key)
         items = list(value) if isinstance(value, (list, tuple)) else [value]  # a -> [a]
-        converted = [_convert(v, args[0], f"{key}[{i}]", root) for i, v in enumerate(items)]
+        converted = [_convert(v, args[0], f"{key}[{i}]", root, tasks)
+                     for i, v in enumerate(items)]
         return tuple(converted) if origin is tuple else converted
     elif tp is bool:
         if isinstance(value, bool):
@@ -147,14 +166,21 @@ def _convert(value: Any, tp: Any, key: str, root: type) -> Any:
         f"expected {_type_name(tp)}", key=key)
 
 
-def _build(cls: type, data: Mapping[str, Any], prefix: str, root: type) -> Any:
-    """An instance of section `cls` from mapping `data`; missing keys take their defaults."""
-    fields = _field_types(cls)
+def _build(cls: type, data: Mapping[str, Any], prefix: str, root: type, tasks: Tasks) -> Any:
+    """An instance of section `cls` from mapping `data`; missing keys take their defaults (a
+    missing section: its keys' defaults)."""
+    fields = _fields(cls, tasks)
     kwargs = {}
     for name, value in data.items():
         if name not in fields:
-            raise _unknown_key(cls, str(name), prefix, root)
-        kwargs[name] = _convert(value, fields[name], _join(prefix, name), root)
+            raise _unknown_key(cls, str(name), prefix, root, tasks)
+        kwargs[name] = _convert(value, fields[name], _join(prefix, name), root, tasks)
+    for name, tp in fields.items():
+        if name not in kwargs and _is_section(tp):
+            kwargs[name] = _build(tp, {}, _join(prefix, name), root, tasks)
+    if cls is TaskConfig:
+        sections = tuple((task, kwargs.pop(task)) for task in list(kwargs) if task != "name")
+        kwargs = {**kwargs, "sections": sections}
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -164,18 +190,21 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, root: type) -> Any:
         raise ConfigError(str(e).replace(f"'{e.key}'", f"'{key}'", 1), key=key) from None
 
 
-def from_dict(data: Mapping[str, Any], cls: type = Config) -> Any:
-    """A config (`Config` unless `cls` says otherwise) from a nested mapping, strictly checked."""
+def from_dict(data: Mapping[str, Any], cls: type = Config, tasks: Tasks | None = None) -> Any:
+    """A config (`Config` unless `cls` says otherwise) from a nested mapping, strictly checked;
+    `tasks`: the task table (see the module docstring)."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config must be a mapping of sections, got {data!r}")
-    return _build(cls, data, "", cls)
+    return _build(cls, data, "", cls, tasks or {})
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain nested dicts, lists and scalars (what YAML holds)."""
     def plain(x: Any) -> Any:
+        if isinstance(x, TaskConfig):
+            return {"name": x.name, **{task: plain(s) for task, s in x.sections}}
         if dataclasses.is_dataclass(x):
             return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
         if isinstance(x, (list, tuple)):
@@ -196,16 +225,16 @@ def save_config(cfg: Any, path: str | Path) -> None:
     path.write_text(to_yaml(cfg))
 
 
-def _check_keys(data: Any, cls: type, prefix: str, root: type) -> None:
+def _check_keys(data: Any, cls: type, prefix: str, root: type, tasks: Tasks) -> None:
     """Raises for the first key in nested mapping `data` that is not in the schema."""
     if not isinstance(data, Mapping):
         return
-    fields = _field_types(cls)
+    fields = _fields(cls, tasks)
     for name, value in data.items():
         if name not in fields:
-            raise _unknown_key(cls, str(name), prefix, root)
+            raise _unknown_key(cls, str(name), prefix, root, tasks)
         if _is_section(fields[name]):
-            _check_keys(value, fields[name], _join(prefix, name), root)
+            _check_keys(value, fields[name], _join(prefix, name), root, tasks)
 
 
 def _override_value(raw: str, tp: Any) -> Any:
@@ -221,9 +250,10 @@ def _override_value(raw: str, tp: Any) -> Any:
     return value
 
 
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str],
-                    cls: type = Config) -> dict[str, Any]:
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str], cls: type = Config,
+                    tasks: Tasks | None = None) -> dict[str, Any]:
     """A copy of nested mapping `data` with `a.b=value` overrides applied (values are YAML)."""
+    tasks = tasks or {}
     result = _copy_dict(data)
     for item in overrides:
         text = item[2:] if item.startswith("--") else item
@@ -234,9 +264,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str],
         section, node, prefix = cls, result, ""
         parts = key.split(".")
         for i, name in enumerate(parts):
-            fields = _field_types(section)
+            fields = _fields(section, tasks)
             if name not in fields:
-                raise _unknown_key(section, name, prefix, cls)
+                raise _unknown_key(section, name, prefix, cls, tasks)
             tp = fields[name]
             prefix = _join(prefix, name)
             if i == len(parts) - 1:
@@ -273,8 +303,11 @@ def resolve_config_path(path: str | Path) -> Path:
     return path
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the YAML file at `path` (if any), then `overrides`; strictly checked."""
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                tasks: Tasks | None = None) -> Config:
+    """Defaults, then the YAML file at `path` (if any), then `overrides`; strictly checked.
+    `tasks`: the task table (see the module docstring)."""
+    tasks = tasks or {}
     data: Any = {}
     if path is not None:
         path = resolve_config_path(path)
@@ -290,16 +323,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         try:
-            _check_keys(data, Config, "", Config)
+            _check_keys(data, Config, "", Config, tasks)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}", key=e.key) from None
     try:
-        return from_dict(apply_overrides(data, overrides))
+        return from_dict(apply_overrides(data, overrides, tasks=tasks), tasks=tasks)
     except ConfigError as e:
         if path is None:
             raise
         try:
-            from_dict(data)
+            from_dict(data, tasks=tasks)
         except ConfigError:  # the file itself is invalid (not only with the overrides): name it
             raise ConfigError(f"{path}: {e}", key=e.key) from None
         raise

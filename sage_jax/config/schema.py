@@ -10,7 +10,7 @@ and writing configs (YAML, overrides, strict key checks) is `loader.py`'s.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 
 class ConfigError(ValueError):
@@ -21,13 +21,13 @@ class ConfigError(ValueError):
         self.key = key  # The field a section's `validate()` complained about, if any.
 
 
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
     """Raises a `ConfigError` for `key` unless `ok`; `allowed` says which values are valid."""
     if not ok:
         raise ConfigError(f"invalid value {value!r} for config key '{key}': {allowed}", key=key)
 
 
-class _Section:
+class Section:
     """Base of all config sections: runs `validate()` whenever a section is constructed."""
 
     def __post_init__(self) -> None:
@@ -35,6 +35,9 @@ class _Section:
 
     def validate(self) -> None:
         """Checks value ranges; raises `ConfigError` on the first violation."""
+
+
+S = TypeVar("S", bound=Section)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -46,7 +49,7 @@ PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva_math", "oly
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Which policy model to train and at what precision."""
 
     path: str | None = None  # Hugging Face checkpoint folder; None = the built-in tiny model.
@@ -57,7 +60,7 @@ class ModelConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig(_Section):
+class DataConfig(Section):
     """Training problems: files, their layout and which fields hold what."""
 
     train_files: tuple[str, ...] = ()  # Local JSON/JSONL/Parquet files or globs, or hub ids.
@@ -73,16 +76,16 @@ class DataConfig(_Section):
     shuffle: bool = True  # Reshuffle the problems every epoch (deterministically, from the seed).
 
     def validate(self) -> None:
-        _require(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens,
+        require(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens,
                  "must be >= 1")
         for name in ("problem_key", "answer_key", "solution_key", "hint_key", "index_key"):
             value = getattr(self, name)
-            _require(value is None or value.strip() != "", name, value,
+            require(value is None or value.strip() != "", name, value,
                      "must be a non-empty field name")
 
 
 @dataclasses.dataclass(frozen=True)
-class RLConfig(_Section):
+class RLConfig(Section):
     """The RL algorithm: rollouts, rewards, advantages and the clipped policy-gradient loss."""
 
     method: Literal["grpo", "sage", "sage_light", "resample"] = "sage"  # README: Methods and hint sources.
@@ -122,35 +125,35 @@ class RLConfig(_Section):
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
 
     def validate(self) -> None:
-        _require(self.group_size >= 2, "group_size", self.group_size,
+        require(self.group_size >= 2, "group_size", self.group_size,
                  "must be >= 2 (advantages compare answers within a group)")
-        _require(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step,
+        require(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step,
                  "must be >= 1")
-        _require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-        _require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
-        _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _require(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 = off)")
-        _require(0 <= self.clip_low < 1, "clip_low", self.clip_low, "must be in [0, 1)")
-        _require(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
-        _require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", self.dual_clip,
+        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 = off)")
+        require(0 <= self.clip_low < 1, "clip_low", self.clip_low, "must be in [0, 1)")
+        require(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
+        require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", self.dual_clip,
                  "must be > 1, or 0 to turn dual-clip off")
-        _require(self.kl_beta >= 0, "kl_beta", self.kl_beta, "must be >= 0")
-        _require(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
-        _require(self.micro_batch_size is None or self.micro_batch_size >= 1,
+        require(self.kl_beta >= 0, "kl_beta", self.kl_beta, "must be >= 0")
+        require(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
+        require(self.micro_batch_size is None or self.micro_batch_size >= 1,
                  "micro_batch_size", self.micro_batch_size, "must be >= 1, or null for all")
-        _require(self.rollout_micro_batch_size is None
+        require(self.rollout_micro_batch_size is None
                  or self.rollout_micro_batch_size >= self.group_size, "rollout_micro_batch_size",
                  self.rollout_micro_batch_size,
                  "must be >= group_size (a group is sampled whole), or null for all")
-        _require(self.epochs_per_batch >= 1, "epochs_per_batch", self.epochs_per_batch,
+        require(self.epochs_per_batch >= 1, "epochs_per_batch", self.epochs_per_batch,
                  "must be >= 1")
-        _require(self.collapse_std >= 0, "collapse_std", self.collapse_std, "must be >= 0")
-        _require(self.reward_timeout_s > 0, "reward_timeout_s", self.reward_timeout_s,
+        require(self.collapse_std >= 0, "collapse_std", self.collapse_std, "must be >= 0")
+        require(self.reward_timeout_s > 0, "reward_timeout_s", self.reward_timeout_s,
                  "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
-class HintConfig(_Section):
+class HintConfig(Section):
     """SAGE hints: where they come from, how they are written and (sage_light) leveled."""
 
     # online: the current policy writes them; offline: the initial policy, once; column: a data
@@ -168,22 +171,22 @@ class HintConfig(_Section):
     cache_bytes: int = 2048  # Bytes per level kept in the train state's hint cache.
 
     def validate(self) -> None:
-        _require(self.max_request_tokens >= 1, "max_request_tokens", self.max_request_tokens,
+        require(self.max_request_tokens >= 1, "max_request_tokens", self.max_request_tokens,
                  "must be >= 1")
-        _require(self.cache_bytes >= 16, "cache_bytes", self.cache_bytes, "must be >= 16")
-        _require(self.refresh_every >= 0, "refresh_every", self.refresh_every,
+        require(self.cache_bytes >= 16, "cache_bytes", self.cache_bytes, "must be >= 16")
+        require(self.refresh_every >= 0, "refresh_every", self.refresh_every,
                  "must be >= 0 (0 = never rewrite)")
-        _require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
-        _require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-        _require(self.retries >= 0, "retries", self.retries, "must be >= 0")
-        _require(0 <= self.low <= 1, "low", self.low, "must be in [0, 1]")
-        _require(self.low <= self.high <= 1, "high", self.high,
+        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        require(self.retries >= 0, "retries", self.retries, "must be >= 0")
+        require(0 <= self.low <= 1, "low", self.low, "must be in [0, 1]")
+        require(self.low <= self.high <= 1, "high", self.high,
                  f"must be in [low, 1] = [{self.low}, 1]")
-        _require(self.max_level >= 1, "max_level", self.max_level, "must be >= 1")
+        require(self.max_level >= 1, "max_level", self.max_level, "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW with gradient-norm clipping and a learning-rate schedule."""
 
     lr: float = 1e-6  # Peak learning rate.
@@ -196,17 +199,17 @@ class OptimConfig(_Section):
     grad_clip: float = 1.0  # Global gradient-norm clip; 0 = off.
 
     def validate(self) -> None:
-        _require(self.lr > 0, "lr", self.lr, "must be > 0")
-        _require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-        _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        _require(0 <= self.b1 < 1, "b1", self.b1, "must be in [0, 1)")
-        _require(0 <= self.b2 < 1, "b2", self.b2, "must be in [0, 1)")
-        _require(self.eps > 0, "eps", self.eps, "must be > 0")
-        _require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
+        require(self.lr > 0, "lr", self.lr, "must be > 0")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        require(0 <= self.b1 < 1, "b1", self.b1, "must be in [0, 1)")
+        require(0 <= self.b2 < 1, "b2", self.b2, "must be in [0, 1)")
+        require(self.eps > 0, "eps", self.eps, "must be > 0")
+        require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Length of the run, its seed, logging and where it writes."""
 
     steps: int = 500  # Training steps.
@@ -222,17 +225,17 @@ class TrainConfig(_Section):
     aot_check: bool = False
 
     def validate(self) -> None:
-        _require(self.steps >= 0, "steps", self.steps, "must be >= 0")
-        _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
-        _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
-        _require(self.resume_step is None or self.resume_step >= 0, "resume_step",
+        require(self.steps >= 0, "steps", self.steps, "must be >= 0")
+        require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        require(self.resume_step is None or self.resume_step >= 0, "resume_step",
                  self.resume_step, "must be >= 0 (or null: the latest good checkpoint)")
-        _require(self.samples_every >= 0, "samples_every", self.samples_every,
+        require(self.samples_every >= 0, "samples_every", self.samples_every,
                  "must be >= 0 (0 = never)")
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """How often the whole train state is saved, and how many saves are kept."""
 
     every: int = 50  # Steps between checkpoints; 0 = only at the end.
@@ -240,12 +243,12 @@ class CheckpointConfig(_Section):
     checksums: bool = True  # CRC-32 of each saved file, checked before a resume restores it.
 
     def validate(self) -> None:
-        _require(self.every >= 0, "every", self.every, "must be >= 0")
-        _require(self.keep >= 1, "keep", self.keep, "must be >= 1")
+        require(self.every >= 0, "every", self.every, "must be >= 0")
+        require(self.keep >= 1, "keep", self.keep, "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig(_Section):
+class MeshConfig(Section):
     """Device mesh axis sizes; -1 = all devices left over. One axis takes the rest: fsdp or
     tensor when set to -1 (then data's default -1 counts as 1), else data."""
 
@@ -256,7 +259,7 @@ class MeshConfig(_Section):
     def validate(self) -> None:
         for name in ("data", "fsdp", "tensor"):
             value = getattr(self, name)
-            _require(value == -1 or value >= 1, name, value, "must be >= 1, or -1 for the rest")
+            require(value == -1 or value >= 1, name, value, "must be >= 1, or -1 for the rest")
         if [self.fsdp, self.tensor].count(-1) > 1:
             raise ConfigError(f"at most one of mesh.fsdp and mesh.tensor may be -1, got "
                               f"fsdp={self.fsdp}, tensor={self.tensor}")
@@ -268,7 +271,7 @@ class MeshConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     """Where metrics go besides metrics.jsonl and TensorBoard: Weights & Biases."""
 
     wandb: bool = False  # Log to W&B (needs the wandb package); WANDB_* variables apply.
@@ -280,7 +283,7 @@ class LoggingConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Hint-free evaluation: avg@k accuracy on benchmark files."""
 
     every: int = 0  # Steps between evaluations during training; 0 = off.
@@ -293,106 +296,39 @@ class EvalConfig(_Section):
     limit: int | None = None  # Problems per benchmark (the first ones); None = all.
 
     def validate(self) -> None:
-        _require(self.every >= 0, "every", self.every, "must be >= 0 (0 = off)")
-        _require(self.k >= 1, "k", self.k, "must be >= 1")
-        _require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
-        _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-        _require(self.limit is None or self.limit >= 1, "limit", self.limit,
+        require(self.every >= 0, "every", self.every, "must be >= 0 (0 = off)")
+        require(self.k >= 1, "k", self.k, "must be >= 1")
+        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        require(self.limit is None or self.limit >= 1, "limit", self.limit,
                  "must be >= 1, or null for all")
 
 
 @dataclasses.dataclass(frozen=True)
-class ToyConfig(_Section):
-    """The built-in toy task (task.name: toy): its lengths, warm start, calibration, report."""
+class TaskConfig(Section):
+    """Which task supplies problems, prompts and rewards, and the task plug-ins' own sections.
 
-    min_steps: int = 8  # Shortest chain (arithmetic steps) of the RL and evaluation problems.
-    max_steps: int = 16  # Longest chain; SFT covers every length from 1 to this.
-    problems: int = 512  # Built-in RL training problems (when data.train_files is empty).
-    warm_start: bool = True  # model.path null: start RL from the SFT warm start (cached).
-    sft_seed: int = 0  # Seed of the warm start (kept apart from train.seed: one SFT start).
-    sft_steps: int = 6000  # Most SFT steps of the warm start.
-    sft_target_step_acc: float = 0.87  # Stop SFT at this single-step accuracy (0: never).
-    cache_dir: str | None = None  # Warm-start cache; None = $SAGE_JAX_CACHE or ~/.cache/sage_jax.
-    calibrate: bool = True  # Measure and print the calibration gate before RL.
-    calibrate_per_length: int = 16  # Problems per length in the calibration.
-    report: bool = True  # After RL: no-hint evaluation by length, summary.md and summary.png.
-    eval_per_length: int = 32  # Problems per length in the final evaluation.
-    eval_samples: int = 4  # Samples per problem in the final evaluation (pass rate = mean).
-    # The hard split (docs/toy_tail): operands whose facts only rare_share of the RL and
-    # evaluation problems of >= rare_min_steps steps use, and sft_rare_share of the warm start's.
-    rare_operands: tuple[int, ...] = ()
-    rare_share: float = 0.0  # Share of RL / evaluation problems (>= rare_min_steps) with one.
-    rare_min_steps: int = 1  # Shortest RL / evaluation problem that may hold a rare operand.
-    sft_rare_share: float = 0.0  # Share of the warm start's SFT problems with one (0: never).
-    hint_format: Literal["payload", "level"] = "payload"  # One JSON reply, or one per level.
-    sft_write_share: float = 0.1  # Share of hint-writing examples in the warm start's SFT mix.
-    # > 0: SFT also runs until P(exact hint) >= this and hinted step accuracy reaches the
-    # target, at every level.
-    sft_target_write_prob: float = 0.0
+    A plug-in (`sage_jax.tasks.registry`) may bring a section of its own settings, written
+    `task.<name>.<key>` in YAML and overrides; `section(cls)` reads it. Only a loader given the
+    task table knows those sections (`sage_jax.tasks.registry.load_config`)."""
+
+    name: str = "math"  # A task of the task table: math (data files), toy, words, ...
+    sections: tuple[tuple[str, Section], ...] = ()  # (task name, its plug-in's section).
 
     def validate(self) -> None:
-        _require(1 <= self.min_steps <= self.max_steps <= 20, "task.toy.min_steps/max_steps",
-                 (self.min_steps, self.max_steps), "need 1 <= min_steps <= max_steps <= 20")
-        _require(set(self.rare_operands) <= set(range(1, 10)) and len(self.rare_operands) < 8,
-                 "task.toy.rare_operands", self.rare_operands, "at most 7 of the operands 1..9")
-        for key in ("rare_share", "sft_rare_share", "sft_target_write_prob"):
-            _require(0 <= getattr(self, key) <= 1, f"task.toy.{key}", getattr(self, key),
-                     "in [0, 1]")
-        _require(0 <= self.sft_write_share < 1, "task.toy.sft_write_share",
-                 self.sft_write_share, "in [0, 1)")
-        for key in ("problems", "calibrate_per_length", "eval_per_length", "eval_samples"):
-            _require(getattr(self, key) >= 1, f"task.toy.{key}", getattr(self, key), ">= 1")
-        _require(self.sft_steps >= 0, "task.toy.sft_steps", self.sft_steps, ">= 0")
-        _require(0 <= self.sft_target_step_acc < 1, "task.toy.sft_target_step_acc",
-                 self.sft_target_step_acc, "in [0, 1)")
+        require(self.name.strip() != "", "name", self.name, "a task name")
+
+    def section(self, cls: type[S]) -> S:
+        """The plug-in section of type `cls` (its defaults when the config holds none)."""
+        for _, section in self.sections:
+            if isinstance(section, cls):
+                return section
+        return cls()
 
 
 @dataclasses.dataclass(frozen=True)
-class WordsConfig(_Section):
-    """Generated arithmetic word problems (task.name: words) and the SFT warm start of the
-    model at model.path on them."""
-
-    min_steps: int = 1  # Fewest steps of the RL and evaluation problems.
-    max_steps: int = 6  # Most steps; the warm start sees every length from 1 to this.
-    problems: int = 4096  # Generated RL training problems (when data.train_files is empty).
-    seed: int = 0  # Seed of the training problems (held-out problems use their own seed).
-    sft_steps: int = 80  # Warm-start SFT steps (0: start RL from model.path as it is).
-    sft_batch_size: int = 8  # Examples per SFT step.
-    sft_lr: float = 5.0e-5  # SFT learning rate (AdamW, linear warm-up over 10 steps).
-    sft_seed: int = 0  # Seed of the SFT examples.
-    sft_write_share: float = 0.3  # Share of hint-writing examples in the SFT mix.
-    sft_hinted_share: float = 0.2  # Share of hinted answers (the rest: plain answers).
-    cache_dir: str | None = None  # Warm-start cache; None = $SAGE_JAX_CACHE or ~/.cache/sage_jax.
-    eval_per_length: int = 16  # Held-out problems per length in `eval_problems`.
-
-    def validate(self) -> None:
-        _require(1 <= self.min_steps <= self.max_steps <= 12, "task.words.min_steps/max_steps",
-                 (self.min_steps, self.max_steps), "need 1 <= min_steps <= max_steps <= 12")
-        for key in ("problems", "sft_batch_size", "eval_per_length"):
-            _require(getattr(self, key) >= 1, f"task.words.{key}", getattr(self, key), ">= 1")
-        _require(self.sft_steps >= 0, "task.words.sft_steps", self.sft_steps, ">= 0")
-        _require(self.sft_lr > 0, "task.words.sft_lr", self.sft_lr, "> 0")
-        for key in ("sft_write_share", "sft_hinted_share"):
-            _require(0 <= getattr(self, key) <= 1, f"task.words.{key}", getattr(self, key),
-                     "in [0, 1]")
-        _require(self.sft_write_share + self.sft_hinted_share <= 1, "task.words.sft_*_share",
-                 self.sft_write_share + self.sft_hinted_share, "shares sum to at most 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskConfig(_Section):
-    """Which task supplies problems, prompts and rewards."""
-
-    # math: chat-template prompts on data files; toy: built-in task; words: generated word
-    # problems on a Hugging Face model (model.path) warm-started on them.
-    name: Literal["math", "toy", "words"] = "math"
-    toy: ToyConfig = dataclasses.field(default_factory=ToyConfig)  # Used when name is toy.
-    words: WordsConfig = dataclasses.field(default_factory=WordsConfig)  # When name is words.
-
-
-@dataclasses.dataclass(frozen=True)
-class Config(_Section):
+class Config(Section):
     """A whole run."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)

@@ -9,6 +9,7 @@ job is a one-machine testbed); any other run is the plain training run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -17,12 +18,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from sage_jax import config as config_lib
 from sage_jax.infra import distributed, metrics as metrics_lib, parallel, wandb_log
 from sage_jax.jobs import report
 from sage_jax.engine import sampling
 from sage_jax.run import build, loop, restore
 from sage_jax.tasks.toy import calibrate, chains as toy
+from sage_jax.tasks.toy.toy_config import ToyConfig
 from sage_jax.tasks.toy.warm_start import make_task, spec
 
 EVAL_SEED = 30_000  # the held-out problems of the evaluation by difficulty
@@ -37,7 +38,7 @@ def run(cfg, workdir) -> dict:
         return loop.train(cfg, workdir)
     fresh = not (Path(workdir) / "checkpoints").is_dir()
     cal = None
-    if fresh and cfg.task.toy.calibrate:
+    if fresh and cfg.task.section(ToyConfig).calibrate:
         Path(workdir).mkdir(parents=True, exist_ok=True)
         cal = before_rl(cfg, workdir, build.load_model(cfg))
     cfg = with_hint_source(cfg, workdir, cal)
@@ -58,12 +59,12 @@ def mesh_generate(cfg):
 
 def before_rl(cfg, workdir: str | Path, model) -> dict | None:
     """The calibration gate on a fresh run (printed, and saved as calibration.json)."""
-    if not (is_default_toy_run(cfg) and cfg.task.toy.calibrate):
+    if not (is_default_toy_run(cfg) and cfg.task.section(ToyConfig).calibrate):
         return None
     workdir = Path(workdir)
     print("calibration (step 0 policy on the RL prompt distribution):", flush=True)
     cal = calibrate.calibrate(model, spec=spec(cfg), task=make_task(cfg),
-                                  problems_per_length=cfg.task.toy.calibrate_per_length,
+                                  problems_per_length=cfg.task.section(ToyConfig).calibrate_per_length,
                                   group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
                                   seed=cfg.train.seed, method=cfg.rl.method,
                                   hint_source=cfg.hint.source, generate=mesh_generate(cfg))
@@ -90,15 +91,14 @@ def with_hint_source(cfg, workdir: str | Path, cal: dict | None = None):
         source, why = calibrate.pick_hint_source("auto", None)
     if not printed:
         print(f"hint source: {source} ({why})", flush=True)
-    return config_lib.from_dict({**config_lib.to_dict(cfg),
-                                 "hint": {**config_lib.to_dict(cfg.hint), "source": source}})
+    return dataclasses.replace(cfg, hint=dataclasses.replace(cfg.hint, source=source))
 
 
 def held_out_rewards(model, cfg, *, seed: int = 0) -> tuple[list[toy.ToyProblem], np.ndarray]:
     """The held-out problems (`task.toy.eval_per_length` per length, the same set for every run)
     and their no-hint rewards [N, task.toy.eval_samples], sampled at the rollout temperature
     from a key of `seed`."""
-    t = cfg.task.toy
+    t = cfg.task.section(ToyConfig)
     problems = toy.make_problems(t.eval_per_length, spec(cfg), seed=EVAL_SEED, per_length=True)
     rewards, _ = calibrate.sample_rewards(
         model, problems, group_size=t.eval_samples, temperature=cfg.rl.temperature,
@@ -130,7 +130,7 @@ def accuracy_by_split(problems, rewards, rare_operands) -> dict[str, float]:
 def after_rl(cfg, workdir: str | Path, *, start_model=None) -> str | None:
     """No-hint accuracy by difficulty of the SFT start and of the trained policy, then
     summary.md / summary.png / eval_by_length.json in the run folder. Returns the markdown."""
-    if not (is_default_toy_run(cfg) and cfg.task.toy.report):
+    if not (is_default_toy_run(cfg) and cfg.task.section(ToyConfig).report):
         return None
     workdir = Path(workdir)
     t0 = time.perf_counter()
@@ -145,7 +145,7 @@ def after_rl(cfg, workdir: str | Path, *, start_model=None) -> str | None:
     rows = metrics_lib.read_metrics(workdir)
     cal_file = workdir / "calibration.json"
     extra = ""
-    rare = cfg.task.toy.rare_operands
+    rare = cfg.task.section(ToyConfig).rare_operands
     if rare:
         split = {name: accuracy_by_split(*pr, rare) for name, pr in held_out.items()}
         (workdir / "eval_by_split.json").write_text(json.dumps(split, indent=1))

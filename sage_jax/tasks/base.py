@@ -86,6 +86,8 @@ class TaskPlugin:
       instead of cfg.eval.benchmarks (None: the task is evaluated on benchmark files).
     start_from(cfg, dtype, compute_dtype) -> Decoder: the policy's starting point made from the
       model at model.path (e.g. a cached SFT warm start on the task; None: model.path as is).
+    config: the task's config section class, read as `cfg.task.section(config)` and written
+      `task.<name>.<key>` (None: the task has no settings).
     """
 
     name: str
@@ -95,3 +97,4 @@ class TaskPlugin:
     examples: Callable[[Any], list] | None = None
     eval_problems: Callable[[int | None], dict[str, list]] | None = None
     start_from: Callable[[Any, Any, Any], Any] | None = None
+    config: type | None = None

@@ -1,8 +1,13 @@
 """The task table: `task.name` -> its plug-in. A new task is a module under `tasks/` with a
-`TaskPlugin`, and one line here (and its name in `config.TaskConfig.name`'s choices)."""
+`TaskPlugin` (and, if it has settings, its own config section, `TaskPlugin.config`), and one line
+here. Run configs are loaded through `load_config`, which knows the plug-ins' sections."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from sage_jax import config
 from sage_jax.config import ConfigError
 from sage_jax.tasks import math
 from sage_jax.tasks.base import TaskPlugin
@@ -14,6 +19,18 @@ TASKS: dict[str, TaskPlugin] = {
     "toy": toy.PLUGIN,
     "words": words.PLUGIN,
 }
+
+SECTIONS: dict[str, type | None] = {name: p.config for name, p in TASKS.items()}
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> config.Config:
+    """`config.load_config` with the plug-ins' `task.<name>` sections."""
+    return config.load_config(path, overrides, tasks=SECTIONS)
+
+
+def from_dict(data: Mapping[str, Any]) -> config.Config:
+    """`config.from_dict` with the plug-ins' `task.<name>` sections."""
+    return config.from_dict(data, tasks=SECTIONS)
 
 
 def plugin(name: str) -> TaskPlugin:

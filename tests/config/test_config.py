@@ -12,8 +12,10 @@ from sage_jax.config import (
     Config,
     ConfigError,
     RLConfig,
+    Section,
     from_dict,
     load_config,
+    require,
     save_config,
     to_dict,
     to_yaml,
@@ -166,3 +168,43 @@ def test_yaml_round_trip(tmp_path):
     assert load_config(tmp_path / "out" / "config.yaml", []) == cfg
     assert from_dict(to_dict(cfg)) == cfg
     assert load_config(_write(tmp_path, to_yaml(Config())), []) == Config()
+
+
+@dataclasses.dataclass(frozen=True)
+class _DemoSection(Section):
+    """A task plug-in's own section, as a plug-in writes one."""
+
+    width: int = 3
+    mode: str = "a"
+
+    def validate(self) -> None:
+        require(self.width >= 1, "width", self.width, ">= 1")
+
+
+DEMO = {"plain": None, "demo": _DemoSection}  # a task table: name -> its section (None: none)
+
+
+def test_task_sections_come_from_the_task_table(tmp_path):
+    cfg = load_config(_write(tmp_path, "task:\n  name: demo\n  demo:\n    width: 5\n"),
+                      ["task.demo.mode=b"], tasks=DEMO)
+    assert cfg.task.name == "demo"
+    assert cfg.task.section(_DemoSection) == _DemoSection(width=5, mode="b")
+    assert load_config(None, [], tasks=DEMO).task.section(_DemoSection) == _DemoSection()
+    save_config(cfg, tmp_path / "out.yaml")  # the section round-trips through YAML
+    assert load_config(tmp_path / "out.yaml", [], tasks=DEMO) == cfg
+    assert Config().task.section(_DemoSection) == _DemoSection()  # none held: defaults
+
+
+@pytest.mark.parametrize("overrides, tasks, pieces", [
+    (["task.demo.widht=2"], DEMO, ["'task.demo.widht'", "'task.demo.width'"]),
+    (["task.demo.width=0"], DEMO, ["'task.demo.width'", ">= 1"]),
+    (["task.demo.width=x"], DEMO, ["'task.demo.width'", "expected int"]),
+    (["task.name=other"], DEMO, ["'task.name'", "'plain', 'demo'"]),
+    (["task.dmo.width=2"], DEMO, ["'task.dmo'", "'task.demo'"]),
+    (["task.demo.width=2"], None, ["'task.demo'", "sage_jax.tasks.registry.load_config"]),
+])
+def test_task_section_errors_name_the_key(overrides, tasks, pieces):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides, tasks=tasks)
+    for piece in pieces:
+        assert piece in str(e.value)

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sage_jax import config as config_lib, models
+from sage_jax import models
 from sage_jax.infra import hardware, parallel
 from sage_jax.engine import compile_check as aot, placement
+from sage_jax.tasks import registry
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ BUDGET = 64 * 1024 ** 2  # per device: the tiny run's every program, resident ar
 
 
 def tiny_cfg(*overrides):
-    return config_lib.load_config("paper_qwen2.5-7b", [*RUN, *overrides])
+    return registry.load_config("paper_qwen2.5-7b", [*RUN, *overrides])
 
 
 @pytest.fixture(scope="module", params=[(4, 1), (2, 2)], ids=["fsdp4", "fsdp2-tensor2"])

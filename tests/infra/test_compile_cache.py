@@ -6,6 +6,7 @@ import sys
 
 from sage_jax.infra import compile_cache
 from sage_jax import config
+from sage_jax.tasks import registry
 
 
 def test_enable_makes_compiles_land_in_the_folder(tmp_path):
@@ -24,6 +25,6 @@ def test_enable_makes_compiles_land_in_the_folder(tmp_path):
 def test_jax_variable_wins_and_the_default_is_on(monkeypatch):
     monkeypatch.setenv(compile_cache.ENV, "/somewhere/else")
     assert compile_cache.enable("~/ours") == "/somewhere/else"
-    assert config.load_config(config.DEFAULT_CONFIG).train.compile_cache
-    cfg = config.load_config(config.DEFAULT_CONFIG, ["train.compile_cache=null"])
+    assert registry.load_config(config.DEFAULT_CONFIG).train.compile_cache
+    cfg = registry.load_config(config.DEFAULT_CONFIG, ["train.compile_cache=null"])
     assert cfg.train.compile_cache is None

@@ -11,6 +11,7 @@ from sage_jax import config
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.jobs import toy_job
 from sage_jax.tasks.toy import chains as toy, warm_start
+from sage_jax.tasks import registry
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ SHRUNK = ["task.toy.min_steps=2", "task.toy.max_steps=3", "task.toy.sft_steps=12
 
 def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys):
     cache = tmp_path / "cache"
-    cfg = config.load_config(config.DEFAULT_CONFIG, SHRUNK + [f"task.toy.cache_dir={cache}"])
+    cfg = registry.load_config(config.DEFAULT_CONFIG, SHRUNK + [f"task.toy.cache_dir={cache}"])
     run = tmp_path / "run"
     train_job.run(cfg, run)
     out = capsys.readouterr().out
@@ -40,7 +41,7 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     # RL used it; a resumed run reads the same choice from the run folder
     assert cal["hint_write_acc"]["1"] < 0.5 and cal["hint_source"] == "reference"
     assert "hint source: reference (auto:" in out
-    assert config.load_config(run / "config.yaml").hint.source == "reference"
+    assert registry.load_config(run / "config.yaml").hint.source == "reference"
     assert toy_job.with_hint_source(cfg, run).hint.source == "reference"
     assert cal["lengths"] == [2, 3] and "calibration" in out and "all-zero groups" in out
     # RL ran and logged every step; the summary has both tables and the plot
@@ -72,7 +73,7 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     try:
         warm_start.warm_started_model(cfg, progress=print)
         assert f"the shipped SFT model {shipped}" in capsys.readouterr().out
-        other = config.load_config(config.DEFAULT_CONFIG, SHRUNK + ["task.toy.sft_seed=5"])
+        other = registry.load_config(config.DEFAULT_CONFIG, SHRUNK + ["task.toy.sft_seed=5"])
         assert warm_start.packaged_settings() == warm_start.warm_start_settings(cfg)
         assert warm_start.packaged_settings() != warm_start.warm_start_settings(other)
     finally:
@@ -83,13 +84,13 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
 def test_shipped_warm_start_matches_its_config(name, folder):
     """The checkpoints under sage_jax/tasks/toy/ are what the toy jobs load: each must have been
     made with its config's warm-start settings (else every fresh run retrains)."""
-    cfg = config.load_config(name, [])
+    cfg = registry.load_config(name, [])
     folder = getattr(warm_start, folder)
     shipped = warm_start.packaged_settings(folder)
     assert shipped is not None, f"no shipped warm start in {folder}"
     assert warm_start._same(shipped, warm_start.warm_start_settings(cfg))
     assert (folder / "model.safetensors").is_file()
-    other = config.load_config(name, ["task.toy.sft_seed=7"])
+    other = registry.load_config(name, ["task.toy.sft_seed=7"])
     assert not warm_start._same(shipped, warm_start.warm_start_settings(other))
 
 
@@ -110,7 +111,7 @@ def test_hard_split_job_writes_one_level_per_request_and_reports_the_split(tmp_p
     written by the policy during RL, and the summary's hard-split table."""
     tail = ["task.toy.rare_operands=[7]", "task.toy.rare_share=0.5", "task.toy.hint_format=level",
             "task.toy.sft_write_share=0.3", "hint.source=online", "task.toy.eval_per_length=4"]
-    cfg = config.load_config(config.DEFAULT_CONFIG,
+    cfg = registry.load_config(config.DEFAULT_CONFIG,
                              SHRUNK + tail + [f"task.toy.cache_dir={tmp_path / 'cache'}"])
     run = tmp_path / "run"
     train_job.run(cfg, run)

@@ -15,6 +15,7 @@ from sage_jax import config, models, train
 from sage_jax.infra.checkpoint import Checkpointer
 from sage_jax.models import hub
 from sage_jax.run import loop
+from sage_jax.tasks import registry
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -41,13 +42,13 @@ def test_a_hub_id_resolves_from_the_cache_and_trains(offline_cache, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {a} + 1?", "answer": str(a + 1)})
                             + "\n" for a in range(4)))
-    cfg = config.load_config(config.DEFAULT_CONFIG, [
+    cfg = registry.load_config(config.DEFAULT_CONFIG, [
         "task.name=math", "model.path=org/tiny-qwen", f"data.train_files=[{data}]",
         "rl.method=grpo", "rl.prompts_per_step=4", "rl.group_size=2", "rl.minibatches=1",
         "rl.max_new_tokens=4", "train.steps=1", "eval.every=0", "train.samples_every=0"])
     loop.train(cfg, tmp_path / "run")
     assert Checkpointer(tmp_path / "run", keep=1).all_steps() == [1]
-    assert config.load_config(tmp_path / "run" / "config.yaml").model.path == "org/tiny-qwen"
+    assert registry.load_config(tmp_path / "run" / "config.yaml").model.path == "org/tiny-qwen"
 
 
 def test_a_missing_hub_id_is_one_clear_error(offline_cache, tmp_path, capsys):

@@ -18,11 +18,13 @@ import yaml
 from flax import nnx
 
 from sage_jax.infra import checkpoint, parallel
-from sage_jax import config, export, models
+from sage_jax import export, models
 from sage_jax.engine import update
 from sage_jax.run import build, hf_export as export_lib, restore
 from sage_jax.tasks import data as data_lib
 from sage_jax.tasks.toy import calibrate, chains as toy_task, warm_start
+from sage_jax.tasks.toy.toy_config import ToyConfig
+from sage_jax.tasks import registry
 
 TOL = 2e-4  # float32 logits
 
@@ -141,10 +143,10 @@ def test_restoring_a_toy_run_never_trains_reads_data_or_builds_an_optimizer(
     everything a training run builds raises: the export still writes the checkpoint's weights."""
     run = tmp_path / "run"
     shutil.copytree(toy_run, run)
-    cfg = config.load_config(run / "config.yaml")
+    cfg = registry.load_config(run / "config.yaml")
     # The checkpoint's params, restored the way a training run resumes (full state as target).
     mesh = parallel.make_mesh(cfg.mesh)
-    _, target = build.initial_state(build.load_model(cfg), cfg, mesh, cfg.task.toy.problems)
+    _, target = build.initial_state(build.load_model(cfg), cfg, mesh, cfg.task.section(ToyConfig).problems)
     with checkpoint.Checkpointer(run, keep=1) as ckpt:
         want = nnx.to_flat_state(ckpt.restore(0, target=target)[0].params)
     raw = yaml.safe_load((run / "config.yaml").read_text())

@@ -15,6 +15,7 @@ from sage_jax.run import restore
 from sage_jax.infra import checkpoint, rewards
 from sage_jax import config, train
 from sage_jax.infra.metrics import read_metrics
+from sage_jax.tasks import registry
 
 TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
         "hint.max_new_tokens=24", "rl.minibatches=2", "checkpoint.every=1", "checkpoint.keep=3",
@@ -31,7 +32,7 @@ SAGE = ["collapse/frac_all_zero", "collapse/frac_all_one", "collapse/frac_all_ze
 
 
 def cfg(*overrides):
-    return config.load_config(config.DEFAULT_CONFIG, TINY + list(overrides))
+    return registry.load_config(config.DEFAULT_CONFIG, TINY + list(overrides))
 
 
 @pytest.mark.parametrize("method", ["grpo", "sage", "sage_light", "resample"])
@@ -50,7 +51,7 @@ def test_each_method_runs_and_writes_metrics(tmp_path, method):
         assert 0 <= r["collapse/frac_all_zero_after"] <= r["collapse/frac_all_zero"] + 1e-9
         assert np.isfinite(r["loss"]) and r["time/step_s"] > 0
     assert (tmp_path / "config.yaml").is_file()
-    saved = config.load_config(tmp_path / "config.yaml", [])
+    saved = registry.load_config(tmp_path / "config.yaml", [])
     assert saved.rl.method == method
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert samples and {"problem", "responses", "rewards", "hint", "level", "hint_written"} <= set(

@@ -12,12 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-from sage_jax import config as config_lib, models
+from sage_jax import models
 from sage_jax.infra import metrics as metrics_lib
 from sage_jax.rl import batching, rollout
 from sage_jax.run import build
 from sage_jax.tasks.words import words_plugin as plugin
 from sage_jax.tasks.words import problems as wp
+from sage_jax.tasks import registry
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def overrides(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def cfg(overrides):
-    return config_lib.load_config("smollm2_words", overrides)
+    return registry.load_config("smollm2_words", overrides)
 
 
 def test_the_warm_start_writes_hints_that_parse_and_match_the_reference(cfg):

@@ -8,6 +8,8 @@ import pytest
 from sage_jax import config
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.toy import warm_start
+from sage_jax.tasks.toy.toy_config import ToyConfig
+from sage_jax.tasks import registry
 
 TAIL = toy.ToySpec(8, 16, rare_operands=(7,), rare_share=0.4, rare_min_steps=10)
 
@@ -98,12 +100,12 @@ def test_sft_mix_writes_one_level_per_request():
 
 
 def test_tail_config_sets_the_hard_split_and_its_own_warm_start():
-    cfg = config.load_config("sage_jax/configs/toy_tail.yaml")
+    cfg = registry.load_config("sage_jax/configs/toy_tail.yaml")
     spec = warm_start.spec(cfg)
     assert spec.rare_operands == (7,) and spec.rare_share > 0
-    assert warm_start.sft_spec(cfg).rare_share == cfg.task.toy.sft_rare_share
+    assert warm_start.sft_spec(cfg).rare_share == cfg.task.section(ToyConfig).sft_rare_share
     assert warm_start.make_task(cfg).hint_format == "level"
-    default = config.load_config(config.DEFAULT_CONFIG, [])
+    default = registry.load_config(config.DEFAULT_CONFIG, [])
     assert warm_start.cache_path(cfg) != warm_start.cache_path(default)
     with pytest.raises(config.ConfigError, match="rare_operands"):
-        config.load_config(config.DEFAULT_CONFIG, ["task.toy.rare_operands=[0]"])
+        registry.load_config(config.DEFAULT_CONFIG, ["task.toy.rare_operands=[0]"])

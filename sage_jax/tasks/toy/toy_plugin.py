@@ -8,6 +8,7 @@ from sage_jax import models
 from sage_jax.tasks.base import TaskPlugin
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.toy import warm_start
+from sage_jax.tasks.toy.toy_config import ToyConfig
 
 
 def make_task(cfg, model_path=None, system_prompt=None) -> toy.ToyTask:
@@ -22,7 +23,7 @@ def model_config(cfg) -> models.DecoderConfig:
 
 def make_model(cfg, dtype, compute_dtype) -> models.Decoder:
     """The SFT warm start when task.toy.warm_start, else a random init from train.seed."""
-    if cfg.task.toy.warm_start:
+    if cfg.task.section(ToyConfig).warm_start:
         return warm_start.warm_started_model(cfg, dtype=dtype, compute_dtype=compute_dtype)
     return models.Decoder(toy.toy_model_config(), dtype=dtype, compute_dtype=compute_dtype,
                           rngs=nnx.Rngs(cfg.train.seed))
@@ -30,9 +31,9 @@ def make_model(cfg, dtype, compute_dtype) -> models.Decoder:
 
 def examples(cfg) -> list:
     """task.toy.problems training problems on the run's lengths (seed 0)."""
-    return toy.make_examples(cfg.task.toy.problems, warm_start.spec(cfg), seed=0)
+    return toy.make_examples(cfg.task.section(ToyConfig).problems, warm_start.spec(cfg), seed=0)
 
 
 PLUGIN = TaskPlugin(name="toy", make_task=make_task, model_config=model_config,
-                    make_model=make_model, examples=examples,
+                    make_model=make_model, examples=examples, config=ToyConfig,
                     eval_problems=lambda limit: toy.eval_problems(limit=limit))

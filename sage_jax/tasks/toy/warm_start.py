@@ -20,6 +20,7 @@ from pathlib import Path
 from sage_jax import models
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.toy import calibrate
+from sage_jax.tasks.toy.toy_config import ToyConfig
 
 DESIGN_VERSION = 5  # bump when the toy task's formats or the SFT recipe change
 PACKAGED = Path(__file__).with_name("toy_sft")  # the shipped warm starts (module docstring)
@@ -28,7 +29,7 @@ PACKAGED_TAIL = Path(__file__).with_name("toy_tail_sft")
 
 def spec(cfg) -> toy.ToySpec:
     """The RL / evaluation problems of the run (lengths, and the hard split's rare operands)."""
-    t = cfg.task.toy
+    t = cfg.task.section(ToyConfig)
     return toy.ToySpec(t.min_steps, t.max_steps, rare_operands=tuple(t.rare_operands),
                        rare_share=t.rare_share, rare_min_steps=t.rare_min_steps)
 
@@ -36,18 +37,18 @@ def spec(cfg) -> toy.ToySpec:
 def sft_spec(cfg) -> toy.ToySpec:
     """The warm start's SFT problems: every length up to the run's longest, rare operands in
     `task.toy.sft_rare_share` of them."""
-    t = cfg.task.toy
+    t = cfg.task.section(ToyConfig)
     return toy.ToySpec(1, t.max_steps, rare_operands=tuple(t.rare_operands),
                        rare_share=t.sft_rare_share)
 
 
 def make_task(cfg) -> toy.ToyTask:
     """The toy task in the run's hint format."""
-    return toy.ToyTask(hint_format=cfg.task.toy.hint_format, max_steps=cfg.task.toy.max_steps)
+    return toy.ToyTask(hint_format=cfg.task.section(ToyConfig).hint_format, max_steps=cfg.task.section(ToyConfig).max_steps)
 
 
 def sft_mix(cfg) -> toy.SFTMix:
-    write = cfg.task.toy.sft_write_share
+    write = cfg.task.section(ToyConfig).sft_write_share
     return toy.SFTMix(plain=0.5 * (1 - write) / 0.9, hinted=0.4 * (1 - write) / 0.9, write=write)
 
 
@@ -59,12 +60,12 @@ _OPTIONAL = {"rare_operands": (), "sft_rare_share": 0.0, "hint_format": "payload
 
 
 def cache_root(cfg) -> Path:
-    root = cfg.task.toy.cache_dir or os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax"
+    root = cfg.task.section(ToyConfig).cache_dir or os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax"
     return Path(root).expanduser()
 
 
 def warm_start_settings(cfg) -> dict:
-    t = cfg.task.toy
+    t = cfg.task.section(ToyConfig)
     return {"design": DESIGN_VERSION, "seed": t.sft_seed, "sft_steps": t.sft_steps,
             "target_step_acc": t.sft_target_step_acc, "sft_max_steps": t.max_steps,
             "eval_spec": [t.min_steps, t.max_steps], "defaults": calibrate.SFT_DEFAULTS,
@@ -116,7 +117,7 @@ def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
 def train_warm_start(cfg, out: str | Path, *, progress=print):
     """SFT of a fresh toy model with the run's warm-start settings, saved to `out` as a Hugging
     Face folder with `sft.json` (the settings, steps, time, accuracy curve). Returns the model."""
-    t = cfg.task.toy
+    t = cfg.task.section(ToyConfig)
     progress(f"warm start: SFT of the toy model (at most {t.sft_steps} steps, until single-step "
              f"accuracy {t.sft_target_step_acc:.0%}); saved in {out}")
     model, result = calibrate.warm_start(

@@ -23,6 +23,7 @@ from sage_jax import models
 from sage_jax.engine import sft_step as sft
 from sage_jax.models.hf_io import check_model_dir
 from sage_jax.tasks.words import problems as wp
+from sage_jax.tasks.words.words_config import WordsConfig
 from sage_jax.tasks.words.prompts import WordsTask
 
 DESIGN_VERSION = 1  # bump when the prompts, the problems or the SFT recipe change
@@ -57,7 +58,7 @@ def sft_examples(task: WordsTask, rng: np.random.Generator, n: int, *, max_steps
 
 
 def cache_root(cfg) -> Path:
-    root = cfg.task.words.cache_dir or os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax"
+    root = cfg.task.section(WordsConfig).cache_dir or os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax"
     return Path(root).expanduser()
 
 
@@ -71,7 +72,7 @@ def _base_identity(path: Path) -> dict:
 
 
 def warm_start_settings(cfg) -> dict:
-    w = cfg.task.words
+    w = cfg.task.section(WordsConfig)
     return {"design": DESIGN_VERSION, "base": _base_identity(Path(cfg.model.path).expanduser()),
             "sft_steps": w.sft_steps, "batch_size": w.sft_batch_size, "lr": w.sft_lr,
             "seed": w.sft_seed, "max_steps": w.max_steps, "write_share": w.sft_write_share,
@@ -87,7 +88,7 @@ def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
     """model.path after the warm start (cached, or trained now and cached); model.path as it is
     when task.words.sft_steps is 0."""
     base = check_model_dir(Path(cfg.model.path).expanduser())
-    if cfg.task.words.sft_steps == 0:
+    if cfg.task.section(WordsConfig).sft_steps == 0:
         return models.from_hf(base, dtype=dtype, compute_dtype=compute_dtype)
     path = cache_path(cfg)
     if not (path / "config.json").is_file():
@@ -106,7 +107,7 @@ def train_warm_start(cfg, out: str | Path, *, progress=print) -> Path:
     """SFT of model.path on the word-problem mix with the run's settings, saved to `out` as a
     Hugging Face folder (with the base's tokenizer files and `sft.json`: settings, losses,
     time)."""
-    w = cfg.task.words
+    w = cfg.task.section(WordsConfig)
     base = check_model_dir(Path(cfg.model.path).expanduser())
     task = WordsTask(models.Tokenizer(base))
     progress(f"warm start: SFT of {base} on word problems ({w.sft_steps} steps of "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sage_jax.config import ConfigError, WordsConfig
+from sage_jax.config import ConfigError
 from sage_jax.models.hf_io import check_model_dir
 from sage_jax.models.tokenizer import Tokenizer
 from sage_jax.tasks.base import TaskPlugin
@@ -10,6 +10,7 @@ from sage_jax.tasks.benchmarks import Problem
 from sage_jax.tasks.data import Example
 from sage_jax.tasks.words import hf_warm_start as warm_start, problems as wp
 from sage_jax.tasks.words.prompts import ANSWER_SYSTEM, WordsTask
+from sage_jax.tasks.words.words_config import WordsConfig
 
 EVAL_SEED = 31_337  # the held-out problems (training problems use task.words.seed)
 
@@ -29,7 +30,7 @@ def to_example(p: wp.WordProblem, index: int) -> Example:
 
 def examples(cfg) -> list[Example]:
     """task.words.problems generated problems of min_steps..max_steps steps."""
-    w = cfg.task.words
+    w = cfg.task.section(WordsConfig)
     return [to_example(p, i) for i, p in enumerate(
         wp.make_problems(w.problems, min_steps=w.min_steps, max_steps=w.max_steps, seed=w.seed))]
 
@@ -56,4 +57,4 @@ def start_from(cfg, dtype, compute_dtype):
 
 
 PLUGIN = TaskPlugin(name="words", make_task=make_task, examples=examples,
-                    eval_problems=eval_problems, start_from=start_from)
+                    eval_problems=eval_problems, start_from=start_from, config=WordsConfig)
