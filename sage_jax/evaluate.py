@@ -32,6 +32,9 @@ from sage_jax.jobs import eval_job as job
 from sage_jax.tasks.benchmarks import ALL_BENCHMARKS
 
 
+_DEFAULTS = config_lib.EvalConfig()  # the flags' defaults are the eval section's
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m sage_jax.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,13 +51,16 @@ def _parse(argv):
                         "(default: eval.data_dir of the run's config)")
     p.add_argument("--layout", choices=("auto", "jsonl", "verl"), default="auto",
                    help="benchmark file layout (auto: JSONL when present, else parquet)")
-    p.add_argument("--k", type=int, default=16, help="samples per problem (default 16)")
-    p.add_argument("--temperature", type=float, default=0.6, help="default 0.6")
-    p.add_argument("--top-p", type=float, default=0.95, help="default 0.95")
+    p.add_argument("--k", type=int, default=_DEFAULTS.k,
+                   help=f"samples per problem (default {_DEFAULTS.k})")
+    p.add_argument("--temperature", type=float, default=_DEFAULTS.temperature,
+                   help=f"default {_DEFAULTS.temperature}")
+    p.add_argument("--top-p", type=float, default=_DEFAULTS.top_p,
+                   help=f"default {_DEFAULTS.top_p}")
     p.add_argument("--top-k", type=int, default=0, help="default 0 (off)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="answer token budget (default: eval.max_new_tokens of a run's config, "
-                        "else 8192)")
+                        f"else {_DEFAULTS.max_new_tokens})")
     p.add_argument("--limit", type=int, default=None,
                    help="evaluate only the first n problems of each benchmark")
     p.add_argument("--batch-size", type=int, default=64,
@@ -77,14 +83,16 @@ def _parse(argv):
                    help="checker processes (default: one per CPU, at most 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    for name in ("k", "batch_size", "max_new_tokens", "limit"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.temperature < 0:
-        p.error(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    try:  # the eval section's checks, and the samplers'
+        config_lib.EvalConfig(k=args.k, temperature=args.temperature, top_p=args.top_p,
+                              max_new_tokens=(_DEFAULTS.max_new_tokens if args.max_new_tokens is None
+                                              else args.max_new_tokens),
+                              limit=args.limit)
+        config_lib.check_sampling(args.temperature, args.top_p, args.top_k)
+    except config_lib.ConfigError as e:
+        p.error(f"--{(e.key or '').replace('_', '-')}: {e}")
     return args
 
 

@@ -27,6 +27,19 @@ def require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"invalid value {value!r} for config key '{key}': {allowed}", key=key)
 
 
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0) -> None:
+    """The sampling knobs' ranges, the one check of every config section and sampler call that
+    sets them: temperature >= 0 (0 = greedy), top_p in (0, 1], top_k an integer >= 0 (0 = off)."""
+    for ok, key, value, allowed in (
+            (temperature >= 0, "temperature", temperature, "must be >= 0 (0 = greedy)"),
+            (0 < top_p <= 1, "top_p", top_p, "must be in (0, 1]"),
+            (int(top_k) == top_k and top_k >= 0, "top_k", top_k,
+             "must be an integer >= 0 (0 = off)")):
+        if not ok:
+            raise ConfigError(f"invalid value {value!r} for sampling knob '{key}': {allowed}",
+                              key=key)
+
+
 class Section:
     """Base of all config sections: runs `validate()` whenever a section is constructed."""
 
@@ -130,9 +143,9 @@ class RLConfig(Section):
         require(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step,
                  "must be >= 1")
         require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-        require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        require(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 = off)")
+        check_sampling(self.temperature, self.top_p, self.top_k)
+        require(self.temperature > 0, "temperature", self.temperature,
+                "must be > 0 (a greedy group has nothing to compare)")
         require(0 <= self.clip_low < 1, "clip_low", self.clip_low, "must be in [0, 1)")
         require(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
         require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", self.dual_clip,
@@ -176,7 +189,7 @@ class HintConfig(Section):
         require(self.cache_bytes >= 16, "cache_bytes", self.cache_bytes, "must be >= 16")
         require(self.refresh_every >= 0, "refresh_every", self.refresh_every,
                  "must be >= 0 (0 = never rewrite)")
-        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        check_sampling(self.temperature)
         require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
         require(self.retries >= 0, "retries", self.retries, "must be >= 0")
         require(0 <= self.low <= 1, "low", self.low, "must be in [0, 1]")
@@ -298,8 +311,7 @@ class EvalConfig(Section):
     def validate(self) -> None:
         require(self.every >= 0, "every", self.every, "must be >= 0 (0 = off)")
         require(self.k >= 1, "k", self.k, "must be >= 1")
-        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        check_sampling(self.temperature, self.top_p)
         require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
         require(self.limit is None or self.limit >= 1, "limit", self.limit,
                  "must be >= 1, or null for all")

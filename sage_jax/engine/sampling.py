@@ -73,6 +73,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from sage_jax.config import check_sampling
 from sage_jax.infra import distributed, parallel
 from sage_jax.engine import decode, placement
 
@@ -293,12 +294,7 @@ def _put(x, lay, rows: bool = False):
 
 
 def _check_knobs(temperature, top_p, top_k, num_samples, max_new_tokens):
-    if not (temperature >= 0):
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if int(top_k) != top_k or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k}")
+    check_sampling(temperature, top_p, top_k)  # a ConfigError, which is a ValueError
     if int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples}")
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:

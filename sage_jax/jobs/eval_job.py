@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sage_jax import models
+from sage_jax import config as config_lib, models
 from sage_jax.infra import rewards
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.run import restore
@@ -97,7 +97,7 @@ def run(args) -> dict[str, Any]:
     graphdef, params, task, info, cfg = _policy(args)
     data_dir = args.data_dir or (cfg.eval.data_dir if cfg is not None else None)
     problems = _problems(args, cfg, data_dir)
-    max_new = args.max_new_tokens or (cfg.eval.max_new_tokens if cfg is not None else 8192)
+    max_new = args.max_new_tokens or (cfg or config_lib.Config()).eval.max_new_tokens
     out_dir = _default_out(args, info)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"k": args.k, "temperature": args.temperature, "top_p": args.top_p,

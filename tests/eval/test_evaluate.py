@@ -262,3 +262,21 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         evaluate.main(["--model", str(tmp_path), "--k", "0"])
+
+
+@pytest.mark.parametrize("flags, pieces", [
+    (["--k", "0"], ["--k:", "must be >= 1"]),
+    (["--top-p", "0"], ["--top-p:", "(0, 1]"]),
+    (["--temperature", "-1"], ["--temperature:", ">= 0"]),
+    (["--top-k", "-2"], ["--top-k:", "integer >= 0"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens:", ">= 1"]),
+    (["--limit", "0"], ["--limit:", ">= 1"]),
+    (["--batch-size", "0"], ["--batch-size must be >= 1"]),
+])
+def test_cli_knobs_are_checked_as_the_config_checks_them(tmp_path, capsys, flags, pieces):
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    for piece in pieces:
+        assert piece in err
