@@ -1,13 +1,14 @@
-"""The package works installed from a wheel, away from the checkout: its configs, the toy warm
-start and the benchmark workloads ship inside it, so `python -m sage_jax.train` runs the default
-job, and `python -m sage_jax.bench` times the sampler, from any folder (no ../shared)."""
+"""The package works installed from a wheel into a fresh venv with `pip install <wheel>` alone,
+away from the checkout: its dependencies are declared, its configs, the toy warm start and the
+benchmark workloads ship inside it, so `python -m sage_jax.train` runs the default job to its
+summary and plot, and `python -m sage_jax.bench` times the sampler, from any folder (no
+../shared)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import site
 import subprocess
 import sys
 import zipfile
@@ -32,9 +33,8 @@ def _sources(dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """(python of a fresh venv with only the wheel installed into it, a folder outside the
-    checkout). The venv sees this environment's dependencies through a .pth file, so nothing is
-    downloaded; sage_jax itself comes from the wheel alone."""
+    """(python of a fresh venv where `pip install <wheel>` installed sage_jax and the
+    dependencies it declares, from the package index; a folder outside the checkout)."""
     base = tmp_path_factory.mktemp("wheel")
     src = _sources(base / "src")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
@@ -45,15 +45,9 @@ def installed(tmp_path_factory):
     assert "sage_jax/tasks/toy/toy_sft/model.safetensors" in names
     assert "sage_jax/tasks/toy/toy_tail_sft/model.safetensors" in names
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                              "['purelib'])"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-    deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
-    (Path(purelib) / "deps.pth").write_text("\n".join(deps) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                    purelib, str(wheel)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True)
     work = base / "elsewhere"
     work.mkdir()
     return python, work
@@ -76,14 +70,19 @@ def test_the_installed_package_is_the_wheel(installed):
     assert str(REPO) not in where.stdout and "site-packages" in where.stdout
 
 
-def test_a_one_step_toy_run_from_an_installed_wheel(installed):
-    got = _run(installed, "sage_jax.train", "--workdir", "run", "train.steps=1",
-               "task.toy.calibrate=false", "task.toy.report=false", "rl.prompts_per_step=2",
-               "rl.group_size=2", "rl.method=grpo", "eval.every=0", "train.samples_every=0")
+def test_the_default_job_runs_to_its_summary_from_an_installed_wheel(installed):
+    """The default job (gate, RL, no-hint evaluation, summary and plot), shrunk to 2 steps."""
+    got = _run(installed, "sage_jax.train", "--workdir", "run", "train.steps=2",
+               "task.toy.calibrate_per_length=1", "task.toy.eval_per_length=1",
+               "task.toy.eval_samples=1", "rl.prompts_per_step=2", "rl.group_size=2",
+               "eval.every=0", "train.samples_every=0")
     assert got.returncode == 0, got.stderr[-3000:]
     assert "warm start: the shipped SFT model" in got.stdout
-    assert (installed[1] / "run" / "checkpoints" / "1").is_dir()
-    assert (installed[1] / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    run = installed[1] / "run"
+    assert (run / "checkpoints" / "2").is_dir()
+    assert (run / "metrics.jsonl").read_text().count("\n") == 2
+    assert "hint source:" in (run / "summary.md").read_text()
+    assert (run / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_sampler_benchmark_runs_from_an_installed_wheel(installed):
