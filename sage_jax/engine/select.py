@@ -52,14 +52,14 @@ def _draw(w_RxV: jax.Array, u_Rx2: jax.Array) -> jax.Array:
     nb = -(-v // bs)
     w = jnp.pad(w_RxV, ((0, 0), (0, nb * bs - v))).reshape(r, nb, bs)
 
-    def pick(w_RxW, u_R):
+    def pick(weights, u_R):  # weights [R, n] of n candidates (blocks, or tokens of a block)
         # First index whose cumulative weight reaches (1 - u) * total > 0: never a zero weight,
         # unless rounding in the cumulative sum says otherwise (then: the largest weight).
-        cdf = jnp.cumsum(w_RxW, axis=-1)
+        cdf = jnp.cumsum(weights, axis=-1)
         target = (1.0 - u_R)[:, None] * cdf[:, -1:]
-        i = jnp.minimum(jnp.sum(cdf < target, axis=-1), w_RxW.shape[-1] - 1)
-        ok = jnp.take_along_axis(w_RxW, i[:, None], axis=-1)[:, 0] > 0
-        return jnp.where(ok, i, jnp.argmax(w_RxW, axis=-1))
+        i = jnp.minimum(jnp.sum(cdf < target, axis=-1), weights.shape[-1] - 1)
+        ok = jnp.take_along_axis(weights, i[:, None], axis=-1)[:, 0] > 0
+        return jnp.where(ok, i, jnp.argmax(weights, axis=-1))
 
     blk = pick(jnp.sum(w, axis=-1), u_Rx2[:, 0])
     inner = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]

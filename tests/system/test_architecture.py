@@ -5,6 +5,7 @@ entry command. Read from the source with `ast`, so a new module is checked witho
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,23 @@ def test_the_graph_reader_sees_imports(tmp_path, monkeypatch, source, want):
     monkeypatch.setitem(MODULES, "sage_jax.probe", path)
     top, hidden = _imports("sage_jax.probe")
     assert top == want and hidden == [(len(source.splitlines()) + 2, "sage_jax.config")]
+
+
+def _readme_alphabet() -> list[str]:
+    """The letters the README's shape alphabet defines, in order (with repeats, if any)."""
+    text = " ".join((PACKAGE.parent / "README.md").read_text().split())
+    para = text.split("one alphabet, `x_BxTxD`:", 1)[1].split(". The Python API", 1)[0]
+    return re.findall(r"(?:^ ?|, )([A-Z])(?: = \S+)? ", para)
+
+
+def test_shape_suffixes_use_the_readme_alphabet_one_meaning_per_letter():
+    letters = _readme_alphabet()
+    assert len(letters) == len(set(letters)) >= 15, letters
+    used = {}
+    for path in PACKAGE.rglob("*.py"):
+        for name in re.findall(r"\b[a-z][a-z0-9_]*?_([A-Z](?:x[A-Z0-9])*)\b", path.read_text()):
+            for letter in name.split("x"):
+                if not letter.isdigit():
+                    used.setdefault(letter, str(path.relative_to(PACKAGE.parent)))
+    unknown = {k: v for k, v in used.items() if k not in letters}
+    assert not unknown, f"shape letters not in the README's alphabet: {unknown}"
