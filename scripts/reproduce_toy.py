@@ -237,9 +237,11 @@ def main(argv=None) -> str:
             f"{t.problems}, lr {base.optim.lr}, seeds {seeds}; evaluation: {t.eval_per_length} "
             f"held-out prompts per length × {t.eval_samples} samples at temperature "
             f"{base.rl.temperature}, no hints. Command: `python scripts/reproduce_toy.py "
-            f"--seeds {args.seeds} --arms {args.arms} --steps {args.steps} --problems "
+            + (f"--config {args.config} " if args.config != str(config.DEFAULT_CONFIG) else "")
+            + f"--seeds {args.seeds} --arms {args.arms} --steps {args.steps} --problems "
             f"{args.problems} --eval-per-length {args.eval_per_length} --eval-every "
-            f"{args.eval_every}" + (" " + " ".join(args.overrides) if args.overrides else "")
+            f"{args.eval_every} --out {args.out}"
+            + (" " + " ".join(args.overrides) if args.overrides else "")
             + "`.")
     text = study.report(results, start, arms, out, note, write_acc=writing)
     print(text)

@@ -258,6 +258,19 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
             s = summ[a]
             lines.append(f"| {a} | {fmt(s['hard'])} | "
                          f"{fmt(s['hard_diff']) if a != 'grpo' else ''} | {fmt(s['rest'])} |")
+    lines += ["", "## Cost (per run; medians over seeds, nothing else running unless noted)", "",
+              "| arm | wall time (training + evaluations) | sampled tokens (every sampler call) | "
+              "median step | "
+              "step time vs grpo |", "|---|---|---|---|---|"]
+    for a in arms:
+        wall = [r["wall_s"] / 60 for r in by[a] if "wall_s" in r]
+        tokens = [r["curve"][-1]["tokens"] / 1e6 for r in by[a] if r.get("curve")]
+        step = [r["median_step_s"] for r in by[a] if "median_step_s" in r]
+        ratio = summ[a]["time_ratio"]
+        lines.append(f"| {a} | " + " | ".join(
+            f"{np.median(v):.{d}f}{unit}" if v else "-" for v, d, unit in (
+                (wall, 1, " min"), (tokens, 2, " M"), (step, 2, " s"),
+                (ratio, 2, "× (paired by seed)"))) + " |")
     lines += ["", "## What the paper claims, and what holds here", "", *claims(summ, arms), "",
               "## No-hint accuracy by difficulty", "",
               "| steps (k) | SFT start | " + " | ".join(arms) + " |",

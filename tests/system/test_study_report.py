@@ -35,4 +35,5 @@ def test_report_pairs_the_hard_split_by_seed(tmp_path):
         in text
     assert "SAGE > GRPO (self-written hints): accuracy difference" in text
     assert f"on the hard split {m:+.3f} ± {h:.3f}" in text
+    assert "| sage-online | - | 0.00 M | 2.00 s | 2.00× (paired by seed) |" in text  # cost
     assert (tmp_path / "accuracy.png").is_file()
