@@ -175,8 +175,8 @@ def write_accuracy(out: Path, overrides: list[str], base: str = config.DEFAULT_C
         res = json.loads(path.read_text())
         return {**res, "acc": _int_keys(res["acc"])}
     cfg = registry.load_config(base, overrides)
-    problems = toy.make_problems(cfg.task.section(ToyConfig).eval_per_length, warm_start.spec(cfg),
-                                 seed=toy_job.EVAL_SEED, per_length=True)
+    problems = toy.held_out_problems(cfg.task.section(ToyConfig).eval_per_length,
+                                     warm_start.spec(cfg))
     res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems,
                                             task=warm_start.make_task(cfg))
     res = {"problems": len(problems), **res}

@@ -75,7 +75,7 @@ def _problems(args, cfg, data_dir):
     if builtin is None:
         return eval_lib.load_problems(names or list(BENCHMARKS), data_dir, limit=args.limit,
                                       layout=args.layout)
-    problems = builtin(args.limit)
+    problems = builtin(cfg, args.limit)
     if names is not None and names != list(problems):
         raise ValueError(f"this checkpoint is a {cfg.task.name}-task run: it can only be "
                          f"evaluated on its task's problems (--benchmarks "

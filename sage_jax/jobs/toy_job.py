@@ -26,9 +26,6 @@ from sage_jax.tasks.toy import calibrate, chains as toy
 from sage_jax.tasks.toy.toy_config import ToyConfig
 from sage_jax.tasks.toy.warm_start import make_task, spec
 
-EVAL_SEED = 30_000  # the held-out problems of the evaluation by difficulty
-
-
 def run(cfg, workdir) -> dict:
     """`loop.train`, and around it on a toy run of the built-in model: the calibration gate
     before RL on a fresh run (which also resolves `hint.source: auto`), the no-hint evaluation by
@@ -99,7 +96,7 @@ def held_out_rewards(model, cfg, *, seed: int = 0) -> tuple[list[toy.ToyProblem]
     and their no-hint rewards [N, task.toy.eval_samples], sampled at the rollout temperature
     from a key of `seed`."""
     t = cfg.task.section(ToyConfig)
-    problems = toy.make_problems(t.eval_per_length, spec(cfg), seed=EVAL_SEED, per_length=True)
+    problems = toy.held_out_problems(t.eval_per_length, spec(cfg))
     rewards, _ = calibrate.sample_rewards(
         model, problems, group_size=t.eval_samples, temperature=cfg.rl.temperature,
         key=jax.random.PRNGKey(77 + seed), generate=mesh_generate(cfg))

@@ -298,7 +298,7 @@ def load_eval_problems(cfg: Config) -> dict[str, list[Problem]]:
     """The run's validation problems: its task's built-in ones, else cfg.eval.benchmarks."""
     builtin = registry.plugin(cfg.task.name).eval_problems
     if builtin is not None:
-        return builtin(cfg.eval.limit)
+        return builtin(cfg, cfg.eval.limit)
     return eval_lib.load_problems(list(cfg.eval.benchmarks), cfg.eval.data_dir,
                                   limit=cfg.eval.limit)
 

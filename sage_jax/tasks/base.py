@@ -82,7 +82,7 @@ class TaskPlugin:
     make_model(cfg, dtype, compute_dtype) -> Decoder: the built-in model at its starting point.
     examples(cfg) -> list[Example]: built-in training examples, used when data.train_files is
       empty (None: the task needs data files).
-    eval_problems(limit) -> {benchmark: [Problem]}: built-in held-out problems, evaluated
+    eval_problems(cfg, limit) -> {benchmark: [Problem]}: built-in held-out problems, evaluated
       instead of cfg.eval.benchmarks (None: the task is evaluated on benchmark files).
     start_from(cfg, dtype, compute_dtype) -> Decoder: the policy's starting point made from the
       model at model.path (e.g. a cached SFT warm start on the task; None: model.path as is).
@@ -95,6 +95,6 @@ class TaskPlugin:
     model_config: Callable[[Any], Any] | None = None
     make_model: Callable[[Any, Any, Any], Any] | None = None
     examples: Callable[[Any], list] | None = None
-    eval_problems: Callable[[int | None], dict[str, list]] | None = None
+    eval_problems: Callable[[Any, int | None], dict[str, list]] | None = None
     start_from: Callable[[Any, Any, Any], Any] | None = None
     config: type | None = None

@@ -185,8 +185,11 @@ def test_load_problems_errors(tmp_path):
         eval_lib.load_problems(["aime24"], tmp_path)
     with pytest.raises(ValueError, match="unknown benchmark.*toy"):
         eval_lib.load_problems(["toy"], tmp_path)  # a task's built-in problems, not a file
-    toys = toy.eval_problems(limit=3)["toy"]
+    toys = toy.eval_problems(2, limit=3)["toy"]
     assert len(toys) == 3 and all(p.source == "toy" for p in toys)
+    held_out = toy.held_out_problems(2)  # the toy job's set: the same problems, first 3
+    assert [p.problem for p in toys] == [p.text for p in held_out[:3]]
+    assert len(held_out) == 2 * len(toy.RL_SPEC.lengths)
 
 
 # ---- the driver, end to end -------------------------------------------------------------------

@@ -435,8 +435,7 @@ class ToySpec:
 # evaluation use the longer ones, where groups collapse.
 SFT_SPEC = ToySpec(1, 16)
 RL_SPEC = ToySpec(8, 16)
-EVAL_PROBLEMS = 256  # size of the held-out evaluation set
-EVAL_SEED = 31_337  # differs from the training (seed 0) and calibration (10_000+) seeds
+HELD_OUT_SEED = 30_000  # the held-out problems; training uses seed 0, calibration 10_000+
 
 
 def make_problems(n: int, spec: ToySpec = RL_SPEC, *, seed: int = 0,
@@ -459,13 +458,19 @@ def make_examples(n: int, spec: ToySpec = RL_SPEC, *, seed: int = 0,
                                                                  per_length=per_length))]
 
 
-def eval_problems(n: int = EVAL_PROBLEMS, *, limit: int | None = None
+def held_out_problems(per_length: int, spec: ToySpec = RL_SPEC) -> list[ToyProblem]:
+    """The held-out problems: `per_length` of every length of `spec`, lengths cycling (so any
+    first n cover the lengths evenly); the one set of the toy job's evaluation, the study, in-
+    training validation and `python -m sage_jax.evaluate`."""
+    return make_problems(per_length, spec, seed=HELD_OUT_SEED, per_length=True)
+
+
+def eval_problems(per_length: int, spec: ToySpec = RL_SPEC, *, limit: int | None = None
                   ) -> dict[str, list[Problem]]:
-    """{"toy": the held-out evaluation problems} on the RL length distribution (the first
-    `limit`), for `python -m sage_jax.evaluate` and in-training validation."""
-    n = n if limit is None else min(n, limit)
-    return {"toy": [Problem(problem=ex.problem, answer=ex.answer, index=ex.index, source="toy")
-                    for ex in make_examples(n, RL_SPEC, seed=EVAL_SEED)]}
+    """{"toy": `held_out_problems`} (the first `limit`) as benchmark problems."""
+    got = held_out_problems(per_length, spec)[:limit]
+    return {"toy": [Problem(problem=p.text, answer=p.answer, index=i, source="toy")
+                    for i, p in enumerate(got)]}
 
 
 # ---- the SFT mix ----------------------------------------------------------------------------

@@ -34,6 +34,13 @@ def examples(cfg) -> list:
     return toy.make_examples(cfg.task.section(ToyConfig).problems, warm_start.spec(cfg), seed=0)
 
 
+def eval_problems(cfg, limit: int | None) -> dict:
+    """The held-out problems of the run's lengths (task.toy.eval_per_length per length; the
+    first `limit`), the toy job's evaluation set."""
+    return toy.eval_problems(cfg.task.section(ToyConfig).eval_per_length, warm_start.spec(cfg),
+                             limit=limit)
+
+
 PLUGIN = TaskPlugin(name="toy", make_task=make_task, model_config=model_config,
                     make_model=make_model, examples=examples, config=ToyConfig,
-                    eval_problems=lambda limit: toy.eval_problems(limit=limit))
+                    eval_problems=eval_problems)

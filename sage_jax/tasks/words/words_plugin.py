@@ -12,7 +12,7 @@ from sage_jax.tasks.words import hf_warm_start as warm_start, problems as wp
 from sage_jax.tasks.words.prompts import ANSWER_SYSTEM, WordsTask
 from sage_jax.tasks.words.words_config import WordsConfig
 
-EVAL_SEED = 31_337  # the held-out problems (training problems use task.words.seed)
+HELD_OUT_SEED = 31_337  # the held-out problems (training problems use task.words.seed)
 
 
 def make_task(cfg, model_path: str | None = None, system_prompt: str | None = None) -> WordsTask:
@@ -38,7 +38,7 @@ def examples(cfg) -> list[Example]:
 def held_out(per_length: int, min_steps: int, max_steps: int) -> dict[str, list[Problem]]:
     """{"words-k": `per_length` held-out problems of k steps} for k in min_steps..max_steps."""
     got = wp.make_problems(per_length, min_steps=min_steps, max_steps=max_steps,
-                           seed=EVAL_SEED, per_length=True)
+                           seed=HELD_OUT_SEED, per_length=True)
     out: dict[str, list[Problem]] = {}
     for i, p in enumerate(got):
         out.setdefault(f"words-{p.k}", []).append(
@@ -46,10 +46,11 @@ def held_out(per_length: int, min_steps: int, max_steps: int) -> dict[str, list[
     return out
 
 
-def eval_problems(limit: int | None) -> dict[str, list[Problem]]:
-    """The default lengths' held-out problems (`limit` per length, default eval_per_length)."""
-    d = WordsConfig()
-    return held_out(limit or d.eval_per_length, d.min_steps, d.max_steps)
+def eval_problems(cfg, limit: int | None) -> dict[str, list[Problem]]:
+    """The run's lengths' held-out problems (`limit` per length, default
+    task.words.eval_per_length)."""
+    w = cfg.task.section(WordsConfig)
+    return held_out(limit or w.eval_per_length, w.min_steps, w.max_steps)
 
 
 def start_from(cfg, dtype, compute_dtype):
