@@ -187,7 +187,9 @@ def write_accuracy(out: Path, overrides: list[str], base: str = config.DEFAULT_C
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=5, help="seeds first-seed .. seeds-1")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="run only seeds from this one (e.g. to split a study over processes)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     ap.add_argument("--steps", type=int, default=60, help="RL steps per run")
     ap.add_argument("--problems", type=int, default=128, help="training prompt pool")
@@ -213,7 +215,7 @@ def main(argv=None) -> str:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     compile_cache.enable(registry.load_config(args.config, overrides).train.compile_cache)
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.seeds))
     t0 = time.perf_counter()
     start = start_accuracy(seeds, out, overrides, args.config)
     writing = write_accuracy(out, overrides, args.config)
