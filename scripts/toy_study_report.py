@@ -134,8 +134,9 @@ def arm_summary(rs: list[dict], grpo: list[dict]) -> dict:
     rescued = sum(r["rescue"]["mixed"] for r in rs)  # re-sampled groups that came back mixed
     hinted = sum(r["rescue"].get("hinted", 0) for r in rs)
     hinted_solved = sum(r["rescue"].get("hinted_solved", 0) for r in rs)
-    grpo_step = {r["seed"]: r["median_step_s"] for r in grpo}
-    ratio = [r["median_step_s"] / grpo_step[r["seed"]] for r in rs if r["seed"] in grpo_step]
+    grpo_step = {r["seed"]: r["median_step_s"] for r in grpo if r.get("timed", True)}
+    ratio = [r["median_step_s"] / grpo_step[r["seed"]] for r in rs
+             if r["seed"] in grpo_step and r.get("timed", True)]
     return {"acc": [overall(r["accuracy"]) for r in rs], "diff": diffs,
             "by_seed": {r["seed"]: overall(r["accuracy"]) for r in rs},
             "hard": list(hard.values()), "hard_by_seed": hard,
@@ -213,6 +214,9 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
     """Writes OUT/README.md, OUT/results.json and the plots; returns the markdown."""
     if not results:
         return "(no finished runs to report)"
+    contended = out / "contended.json"  # runs whose wall-clock overlapped other work
+    untimed = set(json.loads(contended.read_text())["runs"]) if contended.is_file() else set()
+    results = [{**r, "timed": f"{r['arm']}-s{r['seed']}" not in untimed} for r in results]
     by = {a: sorted([r for r in results if r["arm"] == a], key=lambda r: r["seed"])
           for a in arms}
     by = {a: rs for a, rs in by.items() if rs}
@@ -258,16 +262,18 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
             s = summ[a]
             lines.append(f"| {a} | {fmt(s['hard'])} | "
                          f"{fmt(s['hard_diff']) if a != 'grpo' else ''} | {fmt(s['rest'])} |")
-    lines += ["", "## Cost (per run; medians over seeds, nothing else running unless noted)", "",
-              "| arm | wall time (training + evaluations) | sampled tokens (every sampler call) | "
-              "median step | "
-              "step time vs grpo |", "|---|---|---|---|---|"]
+    lines += ["", "## Cost (per run, medians over seeds; times only from runs that had the machine "
+              "to themselves" + (f", not from {', '.join(sorted(untimed))} (contended.json)"
+                                 if untimed else "") + ")", "",
+              "| arm | timed runs | wall time (training + evaluations) | sampled tokens (every "
+              "sampler call) | median step | step time vs grpo |", "|---|---|---|---|---|---|"]
     for a in arms:
-        wall = [r["wall_s"] / 60 for r in by[a] if "wall_s" in r]
+        timed = [r for r in by[a] if r["timed"]]
+        wall = [r["wall_s"] / 60 for r in timed if "wall_s" in r]
         tokens = [r["curve"][-1]["tokens"] / 1e6 for r in by[a] if r.get("curve")]
-        step = [r["median_step_s"] for r in by[a] if "median_step_s" in r]
+        step = [r["median_step_s"] for r in timed if "median_step_s" in r]
         ratio = summ[a]["time_ratio"]
-        lines.append(f"| {a} | " + " | ".join(
+        lines.append(f"| {a} | {len(timed)} | " + " | ".join(
             f"{np.median(v):.{d}f}{unit}" if v else "-" for v, d, unit in (
                 (wall, 1, " min"), (tokens, 2, " M"), (step, 2, " s"),
                 (ratio, 2, "× (paired by seed)"))) + " |")

@@ -35,5 +35,17 @@ def test_report_pairs_the_hard_split_by_seed(tmp_path):
         in text
     assert "SAGE > GRPO (self-written hints): accuracy difference" in text
     assert f"on the hard split {m:+.3f} ± {h:.3f}" in text
-    assert "| sage-online | - | 0.00 M | 2.00 s | 2.00× (paired by seed) |" in text  # cost
+    assert "| sage-online | 2 | - | 0.00 M | 2.00 s | 2.00× (paired by seed) |" in text  # cost
     assert (tmp_path / "accuracy.png").is_file()
+
+
+def test_contended_runs_are_left_out_of_the_times_only(tmp_path):
+    runs = [_run("grpo", 0, 0.5, 0.0, 0.9), _run("grpo", 1, 0.6, 0.1, 0.9),
+            _run("sage-online", 0, 0.6, 0.2, 0.9), _run("sage-online", 1, 0.7, 0.4, 0.95)]
+    runs[3]["median_step_s"] = 9.0  # seed 1 shared the machine
+    start = [{"seed": s, "accuracy": {8: 0.4, 9: 0.4}} for s in (0, 1)]
+    (tmp_path / "contended.json").write_text('{"runs": ["sage-online-s1"]}')
+    text = study.report(runs, start, ["grpo", "sage-online"], tmp_path, "note")
+    assert "not from sage-online-s1 (contended.json)" in text
+    assert "| sage-online | 1 | - | 0.00 M | 2.00 s | 2.00× (paired by seed) |" in text
+    assert "| sage-online | 2 | 0.650 ± " in text  # its accuracy still counts
