@@ -86,7 +86,6 @@ ROW_BUCKET_MIN = 8  # rows are regrouped into 8, (12,) 16, (24,) 32, ... (split 
 # decode step costs about the same, so a smaller bucket would mostly add programs to compile.
 COARSE_ROW_BUCKET_MIN = 32
 FINE_BUCKETS_MIN_PARAMS = 20_000_000  # the 1.5x row and prompt buckets from this model size up
-TRACE_COUNTS = decode.TRACE_COUNTS
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):

@@ -208,7 +208,7 @@ def test_second_batch_in_the_same_bucket_does_not_recompile():
     model = _tiny(seed=5)
     kw = dict(max_new_tokens=6, num_samples=2, temperature=0.9, eos_token_id=4)
     sampling.generate(model, _prompts(97, [3, 9, 5], seed=7), **kw)
-    before = dict(sampling.TRACE_COUNTS)
+    before = dict(decode.TRACE_COUNTS)
     graphdef, _ = nnx.split(model)
     st = sampling._Static(num_samples=2, max_new_tokens=6, temperature=0.9, top_p=1.0, top_k=0,
                           eos_ids=(4,), pad_id=0)
@@ -218,12 +218,12 @@ def test_second_batch_in_the_same_bucket_does_not_recompile():
     # Other prompts of other lengths, same buckets (8 prompts, 16 tokens, 8 rows of 6 live).
     sampling.generate(model, _prompts(97, [14, 2, 16], seed=8), **kw,
                       key=jax.random.PRNGKey(5))
-    assert sampling.TRACE_COUNTS == before
+    assert decode.TRACE_COUNTS == before
     assert (prefill._cache_size(), segment._cache_size()) == sizes
     # A new bucket (128 prompt tokens, used by no other test) does compile: the counter works.
     sampling.generate(model, _prompts(97, [100], seed=9), **kw)
-    assert sampling.TRACE_COUNTS["prefill"] == before["prefill"] + 1
-    assert sampling.TRACE_COUNTS["decode"] == before["decode"] + 1
+    assert decode.TRACE_COUNTS["prefill"] == before["prefill"] + 1
+    assert decode.TRACE_COUNTS["decode"] == before["decode"] + 1
 
 
 # ---- sampling knobs ----------------------------------------------------------------------------
