@@ -94,6 +94,7 @@ def test_a_contended_sitting_is_retimed_and_flagged(monkeypatch):
     assert timing.retries == 1 and timing.contended and len(timing.times_s) == 2
 
 
+@pytest.mark.slow
 def test_the_sampler_benchmark_prints_one_json_record(tmp_path):
     env = dict(os.environ, PEERS_QUIET_WAIT_S="0", PEERS_MAX_RETRIES="0")
     env.pop("XLA_FLAGS", None)

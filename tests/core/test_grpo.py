@@ -175,6 +175,7 @@ def tiny():
     return graphdef, params, tokens, mask
 
 
+@pytest.mark.slow
 def test_logprobs_and_entropy_match_direct_computation(tiny):
     graphdef, params, tokens, mask = tiny
     logits = np.asarray(models.apply(graphdef, params, tokens, mask_BxT=mask), np.float64)
@@ -192,6 +193,7 @@ def test_logprobs_and_entropy_match_direct_computation(tiny):
 
 
 @pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.slow
 def test_chunked_equals_unchunked_with_gradients(tiny, chunk):
     graphdef, params, tokens, mask = tiny
     need = mask.copy()

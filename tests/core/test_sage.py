@@ -331,6 +331,7 @@ def test_hinted_vs_plain_loss_context_differs_exactly_by_the_hint_tokens():
             assert hp == pp
 
 
+@pytest.mark.slow
 def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
     """The update's rows are packed (prompt, answer, right padding); their log-probs equal
     those of the sampler's layout (prompt left-padded to P columns, answer in T columns)."""

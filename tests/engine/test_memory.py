@@ -103,6 +103,7 @@ def device_bytes(tree) -> int:
 @pytest.mark.parametrize("sizes,dtype,master,toy_model", [
     ((1, 1, 1), "float32", False, False), ((1, 4, 1), "bfloat16", True, False),
     ((2, 2, 2), "bfloat16", True, True), ((1, 2, 4), "bfloat16", False, False)])
+@pytest.mark.slow
 def test_state_bytes_match_device_shards(sizes, dtype, master, toy_model):
     """params + master and the AdamW state per device are exactly the shard bytes of the state
     that `init_train_state` places on the mesh."""
@@ -135,6 +136,7 @@ def test_state_bytes_match_live_arrays():
 # ---------------------------------------------------------------------------- KV cache (exact)
 
 @pytest.mark.parametrize("sizes", [None, (2, 2, 2)])
+@pytest.mark.slow
 def test_kv_cache_matches_what_the_sampler_allocates(monkeypatch, sizes):
     """The estimate equals, per device, the prompt and generated-token caches that
     `sampling.sample` hands its programs, buckets included (5 prompts -> 8 prompt rows of 3
@@ -196,6 +198,7 @@ def test_kv_cache_splits_rows_and_heads():
 # ------------------------------------------------------------------ update step (XLA's numbers)
 
 @pytest.mark.parametrize("sizes", [(1, 1, 1), (2, 2, 2)])
+@pytest.mark.slow
 def test_activations_match_xla_buffer_assignment(sizes):
     """grads + activations of the estimate are within 20% of the temporary bytes per device
     that XLA assigns to the compiled train step (float32, no remat)."""
@@ -209,6 +212,7 @@ def test_activations_match_xla_buffer_assignment(sizes):
     assert abs(est.grads + est.activations - temp) <= 0.2 * temp, (temp, est)
 
 
+@pytest.mark.slow
 def test_activations_of_long_rows_in_attention_blocks_match_xla(monkeypatch):
     """Rows long enough for several causal query blocks (`decoder.causal_blocks`, each with its
     own copy of the keys and values): the estimate stays within 20% of XLA's bytes."""
@@ -244,6 +248,7 @@ def residual_bytes(cfg) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_remat_keeps_only_layer_inputs():
     """With model.remat the forward pass keeps each layer's input (plus the shared attention
     mask and the log-prob head's inputs): within 20% of the estimate's saved + attn_mask + head,
@@ -255,6 +260,7 @@ def test_remat_keeps_only_layer_inputs():
     assert kept < residual_bytes(make_cfg(remat=False)) / 5
 
 
+@pytest.mark.slow
 def test_remat_shrinks_the_compiled_train_step_on_cpu():
     """XLA's own buffer assignment for the train step (XLA:CPU, 6 layers): with model.remat
     each layer's intermediates live only while that layer's backward pass runs, so the step
@@ -274,6 +280,7 @@ def test_remat_shrinks_the_compiled_train_step_on_cpu():
     assert temp[True] < 0.5 * temp[False], temp
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients():
     """model.remat recomputes each layer in the backward pass: the gradients do not change."""
     mesh = make_mesh((1, 1, 1))
@@ -301,6 +308,7 @@ def test_config_remat_reaches_the_model(shared_data, remat):
 
 # ---------------------------------------------------------------------------------- the CLI
 
+@pytest.mark.slow
 def test_cli_paper_config_json():
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "estimate_memory.py"), "--config",

@@ -89,6 +89,7 @@ def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
 
 
 @pytest.mark.parametrize("block_min", [32, 3])  # one attention block per row, or several
+@pytest.mark.slow
 def test_packed_rows_get_the_log_probs_each_row_gets_alone(block_min, monkeypatch):
     monkeypatch.setattr(models.decoder, "ATTN_BLOCK_MIN", block_min)
     if block_min < 32:
@@ -110,6 +111,7 @@ def test_packed_rows_get_the_log_probs_each_row_gets_alone(block_min, monkeypatc
 
 
 @pytest.mark.parametrize("agg", grpo.AGG_MODES)
+@pytest.mark.slow
 def test_packed_update_equals_padded_update(agg):
     """Loss, gradients and one whole two-update step, old log-probs recomputed or given."""
     cfg, mesh = make_cfg(loss_agg=agg), one_device_mesh()
@@ -158,6 +160,7 @@ def test_every_packed_batch_of_a_run_has_one_shape():
     (32, 3, 2, 8, (8, 1, 1)),  # sequences split over 8 devices
     (32, 3, 2, 8, (2, 2, 2)),
 ])
+@pytest.mark.slow
 def test_packed_step_with_skipped_micro_batches_equals_padded(
         rows, seed, minibatches, micro, shape):
     """Packed batches whose last micro-batches hold no rows (skipped) or only some (padding

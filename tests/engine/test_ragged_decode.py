@@ -113,6 +113,7 @@ def case():
     return model, prompts, key, eos, ref, lengths
 
 
+@pytest.mark.slow
 def test_greedy_rows_that_end_at_different_steps_equal_the_naive_decoder(case):
     model, prompts, key, eos, ref, lengths = case
     out = sampling.generate(model, prompts, max_new_tokens=T, temperature=0.0,
@@ -148,6 +149,7 @@ def test_logprobs_of_regrouped_rows_equal_the_full_forward(case):
 
 
 @pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_row_keys(case, g):
     """Sampling at temperature 1 with G rows per prompt (grouped, then one row per group after
     a regroup) draws exactly the naive decoder's tokens from the same per-row keys."""
@@ -159,6 +161,7 @@ def test_sampled_tokens_follow_the_row_keys(case, g):
     np.testing.assert_array_equal(out.tokens, ref)
 
 
+@pytest.mark.slow
 def test_an_8_device_mesh_gives_the_same_rows(case):
     model, prompts, key, eos, ref, lengths = case
     assert len(jax.devices()) >= 8, "conftest sets 8 CPU devices"

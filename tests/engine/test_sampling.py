@@ -64,6 +64,7 @@ def hf_pair(request, tmp_path_factory):
     return hf, models.from_hf(path)
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_generate(hf_pair):
     hf, ours = hf_pair
     vocab, new = hf.config.vocab_size, 16
@@ -94,6 +95,7 @@ def test_greedy_matches_transformers_generate(hf_pair):
 @pytest.mark.parametrize("knobs", [dict(temperature=1.0),
                                    dict(temperature=0.7, top_p=0.9, top_k=20),
                                    dict(temperature=0.0)])
+@pytest.mark.slow
 def test_logprobs_equal_teacher_forced_log_softmax(knobs):
     model = _tiny(seed=1)
     prompts = _prompts(97, [4, 13, 7], seed=2)
@@ -108,6 +110,7 @@ def test_logprobs_equal_teacher_forced_log_softmax(knobs):
 
 # ---- randomness ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_same_key_same_tokens_independent_of_batch_and_bucket():
     model = _tiny(seed=2)
     base = _prompts(97, [4, 9, 6], seed=3)
@@ -138,6 +141,7 @@ def test_same_key_same_tokens_independent_of_batch_and_bucket():
     assert not np.array_equal(a.tokens, d.tokens)
 
 
+@pytest.mark.slow
 def test_generate_on_a_mesh_gives_the_same_rows_with_the_trainers_programs():
     """`generate(mesh=...)` (the toy job's calibration and evaluation) samples what `generate`
     does, and runs the programs of `sample` on trainer-placed parameters (no new executable)."""
@@ -165,6 +169,7 @@ def test_generate_on_a_mesh_gives_the_same_rows_with_the_trainers_programs():
 
 # ---- EOS and padding ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rows_stop_at_eos_and_are_padded_after():
     # 16-token vocabulary, near-uniform next-token distribution: EOS ids 3 and 7 come soon.
     model = _tiny(vocab=16, seed=3)
@@ -204,6 +209,7 @@ def test_all_rows_finished_ends_the_loop():
 
 # ---- compilation ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_second_batch_in_the_same_bucket_does_not_recompile():
     model = _tiny(seed=5)
     kw = dict(max_new_tokens=6, num_samples=2, temperature=0.9, eos_token_id=4)
@@ -228,6 +234,7 @@ def test_second_batch_in_the_same_bucket_does_not_recompile():
 
 # ---- sampling knobs ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_top_k_1_and_tiny_top_p_equal_greedy():
     model = _tiny(seed=6)
     prompts = _prompts(97, [5, 2, 10], seed=10)
@@ -241,6 +248,7 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
         np.testing.assert_allclose(out.logprobs, greedy.logprobs, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_temperature_sampling_gives_varied_outputs():
     model = _tiny(seed=7)
     out = sampling.generate(model, _prompts(97, [6], seed=11), max_new_tokens=8, num_samples=8,
@@ -254,6 +262,7 @@ def test_temperature_sampling_gives_varied_outputs():
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0),
                                                      (1.0, 4, 1.0), (0.8, 0, 0.7),
                                                      (1.0, 6, 0.8)])
+@pytest.mark.slow
 def test_first_token_distribution(temperature, top_k, top_p):
     """Empirical first-token frequencies match softmax(logits / T) after top-k, then top-p."""
     model = _sharpen(_tiny(seed=8), 40.0)
@@ -338,6 +347,7 @@ def test_buckets():
 
 
 @pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.slow
 def test_chunked_prefill_of_long_prompts_gives_the_same_result(monkeypatch, remat):
     """Prefill in chunks of prompts (a `lax.map` that merges the model) equals one whole
     prefill, with and without model.remat (NNX's own remat failed to trace there)."""
@@ -363,6 +373,7 @@ def test_length_bucket_pads_under_an_eighth():
         assert n <= b and (b - n) < max(16, n / 8)
 
 
+@pytest.mark.slow
 def test_drop_programs_bounds_the_compiled_programs_and_changes_no_result(monkeypatch):
     """Past the limit every compiled sampler program is dropped (the trainer calls this between
     steps); programs compile again when needed, and the samples are the same."""

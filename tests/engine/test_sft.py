@@ -33,6 +33,7 @@ def test_make_batch_masks_answer_tokens_only():
         sft.make_batch([([1] * 10, [2])], pad_id=0, bucket=4, max_len=8)
 
 
+@pytest.mark.slow
 def test_sft_loss_ignores_prompt_and_padding():
     model = _tiny()
     g, p = nnx.split(model)
@@ -44,6 +45,7 @@ def test_sft_loss_ignores_prompt_and_padding():
     assert a == pytest.approx(-lp[0, [2, 3]].mean(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_train_sft_reduces_loss_and_stops_early():
     task = toy.ToyTask()
     pairs = toy.sft_examples(64, task=task, spec=toy.ToySpec(1, 2), seed=0)
@@ -79,6 +81,7 @@ def test_teacher_forced_probabilities_are_consistent():
     assert 0 <= summary["step_acc"] < 1 and summary["all_zero_g8"] > 0.9
 
 
+@pytest.mark.slow
 def test_calibrate_reports_every_number_and_the_gate():
     model = _tiny()
     cal = toy_calibrate.calibrate(model, spec=toy.ToySpec(2, 3), problems_per_length=2,

@@ -92,6 +92,7 @@ def test_make_mesh_fills_and_checks():
         parallel.make_mesh(MeshConfig(-1, 3, 1))
 
 
+@pytest.mark.slow
 def test_partition_rules():
     mesh = parallel.make_mesh(MeshConfig(1, 4, 2))
     graphdef, state = init(make_cfg(), mesh)
@@ -144,6 +145,7 @@ def test_bad_batches_fail_before_compiling():
 # ---------------------------------------------------------------------------------- invariances
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.slow
 def test_micro_batching_gives_the_same_gradient_and_params(agg, capsys):
     mesh = one_device_mesh()
     batch = make_batch(16, seed=1)
@@ -172,6 +174,7 @@ def test_micro_batching_gives_the_same_gradient_and_params(agg, capsys):
                 np.testing.assert_allclose(metrics[k][key], metrics[1][key], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_sharded_update_equals_one_device(capsys):
     """Two updates (2 mini-batches x 2 micro-batches) on 5 meshes: same params to 1e-5."""
     cfg = make_cfg(prompts=8, minibatches=2, micro_batch_size=8, lr=1e-3)
@@ -196,6 +199,7 @@ def test_sharded_update_equals_one_device(capsys):
 
 # ---------------------------------------------------------------------------------- behaviour
 
+@pytest.mark.slow
 def test_learning_moves_logprobs_by_advantage_sign():
     """Repeated steps on one group: the +A answer gains log-prob, the -A answer loses it."""
     mesh = one_device_mesh()
@@ -220,6 +224,7 @@ def test_learning_moves_logprobs_by_advantage_sign():
 
 
 @pytest.mark.parametrize("minibatches", [1, 2])
+@pytest.mark.slow
 def test_given_old_logprobs_equal_recomputed(minibatches):
     """Absent old log-probs are recomputed for mini-batches 1.. and taken fresh by update 0."""
     mesh = one_device_mesh()
@@ -247,6 +252,7 @@ def test_given_old_logprobs_equal_recomputed(minibatches):
     assert "batch/hinted_token_frac" not in m1
 
 
+@pytest.mark.slow
 def test_reference_kl_and_epochs():
     """kl_beta > 0: loss = pg_loss + beta * kl/ref; 2 epochs = 2 updates (lr from warm-up)."""
     mesh = one_device_mesh()
@@ -277,6 +283,7 @@ def _step_result(cfg, batch, mesh, remat):
 
 @pytest.mark.parametrize("minibatches", [1, 2])
 @pytest.mark.parametrize("old_source", ["recompute", "sampler"])
+@pytest.mark.slow
 def test_remat_train_step_in_every_combination(old_source, minibatches):
     """model.remat=true traces and changes nothing, whether the old log-probs are recomputed
     inside the step (`rl.old_logprobs=recompute`: a `lax.map` over micro-batches that merges

@@ -103,6 +103,7 @@ class _AnswerOnly(toy.ToyTask):
         return answer
 
 
+@pytest.mark.slow
 def test_evaluate_problems_maps_scores_back_through_the_length_sort(tiny_toy_policy):
     """Problems of two benchmarks with different prompt lengths are sorted and batched; every
     score, length and text must land on its own (benchmark, problem, sample)."""
@@ -194,6 +195,7 @@ def test_load_problems_errors(tmp_path):
 
 # ---- the driver, end to end -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_end_to_end_on_a_tiny_qwen_with_a_real_tokenizer(tiny_qwen, shared_data, tmp_path,
                                                              capsys):
     out = tmp_path / "eval"
@@ -237,6 +239,7 @@ def test_cli_end_to_end_on_a_tiny_qwen_with_a_real_tokenizer(tiny_qwen, shared_d
         assert s["score"] in (0.0, 1.0) and 1 <= s["length"] <= 8
 
 
+@pytest.mark.slow
 def test_cli_toy_checkpoint_uses_the_toy_problems(toy_run, tmp_path, capsys):
     out = tmp_path / "eval"
     report = evaluate.main(["--checkpoint", str(toy_run), "--limit", "4", "--k", "2",

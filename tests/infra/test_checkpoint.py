@@ -72,6 +72,7 @@ def assert_bitwise_equal(a, b):
         assert _bits(x) == _bits(y), jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_round_trip_is_bitwise_exact(tmp_path):
     state = make_state(1)
     with Checkpointer(tmp_path, keep=3) as ck:

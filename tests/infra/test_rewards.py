@@ -210,6 +210,7 @@ def test_pool_scores_batch_and_is_reusable(pool):
         pool.score(["a"], [])
 
 
+@pytest.mark.slow
 def test_pool_hostile_inputs_score_zero_quickly(pool):
     hostile = [
         boxed("9^{9^{9^{9}}}"),                        # astronomically large power

@@ -34,6 +34,7 @@ def offline_cache(tmp_path, monkeypatch):
     return snapshot
 
 
+@pytest.mark.slow
 def test_a_hub_id_resolves_from_the_cache_and_trains(offline_cache, tmp_path):
     assert hub.is_hub_id("org/tiny-qwen") and not hub.is_hub_id(str(tmp_path))
     assert hub.resolve("org/tiny-qwen") == offline_cache

@@ -29,6 +29,7 @@ def _tokens(vocab, shape, seed=0):
     return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
 
 
+@pytest.mark.slow
 def test_logit_parity(hf_pair):
     name, hf, _, ours = hf_pair
     tok = _tokens(hf.config.vocab_size, (3, 21))
@@ -37,6 +38,7 @@ def test_logit_parity(hf_pair):
     assert err < TOL
 
 
+@pytest.mark.slow
 def test_left_padded_parity(hf_pair):
     _, hf, _, ours = hf_pair
     tok = _tokens(hf.config.vocab_size, (3, 12), seed=1)
@@ -52,6 +54,7 @@ def test_left_padded_parity(hf_pair):
     assert np.abs(alone[0] - got[1, 5:]).max() < 1e-5
 
 
+@pytest.mark.slow
 def test_long_rows_attend_in_causal_blocks_with_the_same_logits(hf_pair, monkeypatch):
     """Rows in several query blocks of causal attention (`causal_blocks`, here of at least 32
     queries), left padded, equal transformers' logits, and the prompt keys/values the sampler's
@@ -76,6 +79,7 @@ def test_long_rows_attend_in_causal_blocks_with_the_same_logits(hf_pair, monkeyp
                                    np.asarray(b)[mask.astype(bool)], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_kv_cache_prefill_then_decode_equals_full_forward(hf_pair):
     _, hf, _, ours = hf_pair
     tok = jnp.asarray(_tokens(hf.config.vocab_size, (2, 10), seed=2))
@@ -92,6 +96,7 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(hf_pair):
     assert np.abs(np.asarray(inc - full))[np.asarray(mask)].max() < 1e-4
 
 
+@pytest.mark.slow
 def test_pure_function_under_jit(hf_pair):
     _, hf, _, ours = hf_pair
     graphdef, params = models.split(ours)
@@ -103,6 +108,7 @@ def test_pure_function_under_jit(hf_pair):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
 
 
+@pytest.mark.slow
 def test_export_round_trip(hf_pair, tmp_path):
     _, hf, _, ours = hf_pair
     out = models.to_hf(ours, tmp_path / "export")
@@ -116,6 +122,7 @@ def test_export_round_trip(hf_pair, tmp_path):
                                   np.asarray(ours(jnp.asarray(tok))))
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_with_index(tmp_path):
     hf = make_hf_model("qwen2_qkv_bias")
     hf.save_pretrained(tmp_path, max_shard_size="30KB")
@@ -126,6 +133,7 @@ def test_sharded_checkpoint_with_index(tmp_path):
     assert np.abs(hf_logits(hf, tok) - np.asarray(ours(jnp.asarray(tok)))).max() < TOL
 
 
+@pytest.mark.slow
 def test_bfloat16_forward_close_to_float32(hf_pair):
     _, hf, path, ours = hf_pair
     bf = models.from_hf(path, dtype=jnp.bfloat16)
@@ -143,6 +151,7 @@ def test_bfloat16_forward_close_to_float32(hf_pair):
     assert np.abs(np.asarray(mixed(tok)) - ref).max() / np.abs(ref).max() < 0.05
 
 
+@pytest.mark.slow
 def test_real_bf16_checkpoint(shared_data):
     path = shared_data / "models" / "verl-arith-tiny-llama"
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -161,6 +170,7 @@ def test_real_bf16_checkpoint(shared_data):
     ("qwen3-4b-instruct-2507", "<|im_start|>assistant\n", "<|im_end|>"),
     ("llama-3.2-3b-instruct", "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
 ])
+@pytest.mark.slow
 def test_chat_template(shared_data, name, tail, eos):
     tok = models.Tokenizer(shared_data / "tokenizers" / name)
     text = tok.chat("What is 1+1?", system="Reason step by step.")

@@ -57,6 +57,7 @@ def test_split_checkpoint_path(tmp_path):
         restore.split_checkpoint_path(tmp_path)
 
 
+@pytest.mark.slow
 def test_math_checkpoint_round_trips_through_transformers(math_run, tmp_path):
     out = tmp_path / "hf"
     cfg, model, step = restore.restore_policy(math_run)  # the latest step

@@ -98,6 +98,7 @@ def reference():
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.slow
 def test_training_step_on_a_mesh_equals_one_device(shape, reference, capsys):
     got = one_step(shape)
     ref = reference
@@ -132,6 +133,7 @@ def test_training_step_on_a_mesh_equals_one_device(shape, reference, capsys):
     assert d_params < 1e-5
 
 
+@pytest.mark.slow
 def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
     """rl.old_logprobs=sampler: the rollout's own log-probs, placed on the batch's answer
     columns, are the trainer's recomputed old log-probs (float rounding apart), and the step

@@ -36,6 +36,7 @@ def cfg(*overrides):
 
 
 @pytest.mark.parametrize("method", ["grpo", "sage", "sage_light", "resample"])
+@pytest.mark.slow
 def test_each_method_runs_and_writes_metrics(tmp_path, method):
     evals = (["eval.every=2", "eval.k=2", "eval.limit=4", "eval.max_new_tokens=16"]
              if method == "grpo" else [])
@@ -115,6 +116,7 @@ def three_steps(tmp_path_factory):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "truncate_no_checksums", "flip_byte"])
+@pytest.mark.slow
 def test_a_corrupt_latest_checkpoint_costs_one_interval(three_steps, tmp_path, capsys, damage):
     """The newest checkpoint is cut short (as a partial copy leaves it) or has one flipped byte
     (caught by the checksums written at commit); without checksums the truncation is caught by
@@ -148,6 +150,7 @@ def test_a_corrupt_latest_checkpoint_costs_one_interval(three_steps, tmp_path, c
         np.testing.assert_array_equal(s_params[k], r_params[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_resume_step_rolls_back_once_and_no_good_checkpoint_is_one_error(three_steps, tmp_path,
                                                                           capsys):
     c, done = three_steps
@@ -191,6 +194,7 @@ def always_right(response, ground_truth):
     return 1.0
 
 
+@pytest.mark.slow
 def test_rl_reward_picks_a_registered_reward_and_an_unknown_one_fails_early(tmp_path):
     rewards.register_reward("test_always_right", always_right, overwrite=True)
     metrics = loop.train(cfg("rl.method=grpo", "train.steps=1", "rl.reward=test_always_right"),
@@ -213,6 +217,7 @@ def test_cli_unknown_key_names_the_closest(capsys):
     assert "rl.group_size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sage_resamples_hinted_groups_with_the_real_sampler(tmp_path):
     """Dataset-column hints (hint.source=column): the escalation runs on the real model."""
     from sage_jax.tasks.toy import chains as toy

@@ -208,6 +208,7 @@ def pool():
 
 
 @pytest.mark.parametrize("name", MATH_BENCHMARKS)
+@pytest.mark.slow
 def test_every_ground_truth_scores_right_and_rejects_wrong(pool, name):
     """Every row in every layout: ``\\boxed{<ground truth>}`` scores 1, a wrong answer scores 0,
     and math-verify reads the ground truth as math (except the documented TEXT_ONLY_ANSWERS).
