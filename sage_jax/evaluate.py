@@ -86,10 +86,9 @@ def _parse(argv):
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     try:  # the eval section's checks, and the samplers'
+        max_new = _DEFAULTS.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
         config_lib.EvalConfig(k=args.k, temperature=args.temperature, top_p=args.top_p,
-                              max_new_tokens=(_DEFAULTS.max_new_tokens if args.max_new_tokens is None
-                                              else args.max_new_tokens),
-                              limit=args.limit)
+                              max_new_tokens=max_new, limit=args.limit)
         config_lib.check_sampling(args.temperature, args.top_p, args.top_k)
     except config_lib.ConfigError as e:
         p.error(f"--{(e.key or '').replace('_', '-')}: {e}")

@@ -150,8 +150,9 @@ def held_out_accuracy(model, cfg, seed: int) -> dict:
     when the run has rare operands (one sampling for both)."""
     problems, rewards = toy_job.held_out_rewards(model, cfg, seed=seed)
     out = {"accuracy": toy_job.by_length(problems, rewards)}
-    if cfg.task.section(ToyConfig).rare_operands:
-        out["split"] = toy_job.accuracy_by_split(problems, rewards, cfg.task.section(ToyConfig).rare_operands)
+    rare = cfg.task.section(ToyConfig).rare_operands
+    if rare:
+        out["split"] = toy_job.accuracy_by_split(problems, rewards, rare)
     return out
 
 

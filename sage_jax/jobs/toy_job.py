@@ -78,8 +78,9 @@ def before_rl(cfg, workdir: str | Path, model) -> dict | None:
         return None
     workdir = Path(workdir)
     print("calibration (step 0 policy on the RL prompt distribution):", flush=True)
+    per_length = cfg.task.section(ToyConfig).calibrate_per_length
     cal = calibrate.calibrate(model, spec=spec(cfg), task=make_task(cfg),
-                                  problems_per_length=cfg.task.section(ToyConfig).calibrate_per_length,
+                                  problems_per_length=per_length,
                                   group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
                                   seed=cfg.train.seed, method=cfg.rl.method,
                                   hint_source=cfg.hint.source, generate=mesh_generate(cfg))

@@ -147,7 +147,8 @@ def test_restoring_a_toy_run_never_trains_reads_data_or_builds_an_optimizer(
     cfg = registry.load_config(run / "config.yaml")
     # The checkpoint's params, restored the way a training run resumes (full state as target).
     mesh = parallel.make_mesh(cfg.mesh)
-    _, target = build.initial_state(build.load_model(cfg), cfg, mesh, cfg.task.section(ToyConfig).problems)
+    problems = cfg.task.section(ToyConfig).problems
+    _, target = build.initial_state(build.load_model(cfg), cfg, mesh, problems)
     with checkpoint.Checkpointer(run, keep=1) as ckpt:
         want = nnx.to_flat_state(ckpt.restore(0, target=target)[0].params)
     raw = yaml.safe_load((run / "config.yaml").read_text())

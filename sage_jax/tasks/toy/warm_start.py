@@ -44,7 +44,8 @@ def sft_spec(cfg) -> toy.ToySpec:
 
 def make_task(cfg) -> toy.ToyTask:
     """The toy task in the run's hint format."""
-    return toy.ToyTask(hint_format=cfg.task.section(ToyConfig).hint_format, max_steps=cfg.task.section(ToyConfig).max_steps)
+    t = cfg.task.section(ToyConfig)
+    return toy.ToyTask(hint_format=t.hint_format, max_steps=t.max_steps)
 
 
 def sft_mix(cfg) -> toy.SFTMix:
@@ -60,7 +61,8 @@ _OPTIONAL = {"rare_operands": (), "sft_rare_share": 0.0, "hint_format": "payload
 
 
 def cache_root(cfg) -> Path:
-    root = cfg.task.section(ToyConfig).cache_dir or os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax"
+    root = (cfg.task.section(ToyConfig).cache_dir or os.environ.get("SAGE_JAX_CACHE")
+            or "~/.cache/sage_jax")
     return Path(root).expanduser()
 
 

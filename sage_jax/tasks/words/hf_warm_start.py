@@ -58,7 +58,8 @@ def sft_examples(task: WordsTask, rng: np.random.Generator, n: int, *, max_steps
 
 
 def cache_root(cfg) -> Path:
-    root = cfg.task.section(WordsConfig).cache_dir or os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax"
+    root = (cfg.task.section(WordsConfig).cache_dir or os.environ.get("SAGE_JAX_CACHE")
+            or "~/.cache/sage_jax")
     return Path(root).expanduser()
 
 
