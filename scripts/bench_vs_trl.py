@@ -114,7 +114,7 @@ def run_trl(args, work: Path, prompt_ids: list[list[int]]) -> dict:
 # ---- the TRL worker (runs under the TRL venv) --------------------------------------------------
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (braces balanced), as `rewards.extract_boxed`."""
+    """The content of the last `\\boxed{...}` (braces balanced), as `math_grading.extract_boxed`."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None

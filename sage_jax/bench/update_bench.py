@@ -1,6 +1,6 @@
 """`python -m sage_jax.bench update --workload small [--json]`: one GRPO update step.
 
-Times `update.make_train_step` on the workload's model: forward + backward + AdamW over
+Times `update.TrainStep` on the workload's model: forward + backward + AdamW over
 num_prompts * samples_per_prompt rows of prompt_len + max_new_tokens tokens, one optimiser step
 (minibatches=1), old log-probs given (computed once beforehand, not timed). Uses the workload's
 prompts, the quiet-machine wait, warm-up and median timing (`protocol.time_calls`) and the JSON
@@ -132,7 +132,7 @@ def run(args) -> None:
         slots = int(used.sum()) * r * batch["loss_mask_SxL"].shape[1]
     batch = parallel.shard_batch(batch, mesh)
     real_tokens = int(mask.sum())
-    step = update.make_train_step(graphdef, cfg, mesh, chunk=CHUNK, remat_logits=REMAT)
+    step = update.TrainStep(graphdef, cfg, mesh, chunk=CHUNK, remat_logits=REMAT)
     losses = []
 
     def call(i):

@@ -9,10 +9,9 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Callable
 
 import numpy as np
-
-from sage_jax.infra.rewards import extract_boxed, math_reward
 
 LEVELS = (1, 2, 3)
 
@@ -104,12 +103,13 @@ def _level_of(key) -> int | None:
     return None
 
 
-def parse_hints(text: str, ground_truth: str | None = None) -> dict[int, str] | None:
+def parse_hints(text: str, leaks: Callable[[str], bool] | None = None
+                ) -> dict[int, str] | None:
     """The {1: str, 2: str, 3: str} hint levels in a policy's JSON payload, or None.
 
     Accepts a fenced or bare JSON object, trailing commas, single quotes and partial payloads
-    (missing or empty levels are absent). With `ground_truth`, a level whose text boxes an answer
-    equal to it is dropped (a hint must never reveal the final answer). None when no level is usable.
+    (missing or empty levels are absent). A level whose text `leaks` (the task's check that a hint
+    gives the final answer away) is dropped. None when no level is usable.
     """
     if not isinstance(text, str) or not text.strip() or len(text) > 200_000:
         return None
@@ -131,7 +131,7 @@ def parse_hints(text: str, ground_truth: str | None = None) -> dict[int, str] | 
             value = str(value).strip()
             if not value or len(value) > MAX_HINT_CHARS:
                 continue
-            if ground_truth is not None and leaks_answer(value, ground_truth):
+            if leaks is not None and leaks(value):
                 continue
             hints[level] = value
         if hints:
@@ -139,18 +139,11 @@ def parse_hints(text: str, ground_truth: str | None = None) -> dict[int, str] | 
     return None
 
 
-def read_payload(text: str, ground_truth: str) -> tuple[dict[int, str], int]:
-    """`parse_hints(text, ground_truth)` as a dict ({} when nothing parses), and how many levels
-    it refused for leaking the answer."""
-    kept = parse_hints(text, ground_truth=ground_truth) or {}
+def read_payload(text: str, leaks: Callable[[str], bool]) -> tuple[dict[int, str], int]:
+    """`parse_hints(text, leaks)` as a dict ({} when nothing parses), and how many levels it
+    refused for leaking the answer."""
+    kept = parse_hints(text, leaks) or {}
     return kept, len(parse_hints(text) or {}) - len(kept)
-
-
-def leaks_answer(hint: str, ground_truth: str) -> bool:
-    """True when the hint boxes an answer equivalent to the ground truth."""
-    if extract_boxed(hint) is None:
-        return False
-    return math_reward(hint, ground_truth) > 0
 
 
 # ---- SAGE-light levels ----------------------------------------------------------------------

@@ -31,7 +31,6 @@ on the sampling params: its old log-probs are that update's own (stop-gradient),
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -268,17 +267,6 @@ def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=
     return jax.lax.scan(micro, zero, mini)[0]
 
 
-def minibatch_grads(params, batch, *, graphdef, cfg: Config, mesh: Mesh,
-                    chunk: int | None = DEFAULT_CHUNK, remat=True):
-    """(grads, metrics) of the whole `batch` taken as one mini-batch, accumulated over
-    micro-batches of `cfg.rl.micro_batch_size` rows (what one optimiser update uses)."""
-    rl = dataclasses.replace(cfg.rl, minibatches=1)
-    data, tokens_M, seqs_M = _prepare(params, _packed(batch), graphdef=graphdef, rl=rl,
-                                      mesh=mesh, chunk=chunk)
-    return _accumulate(params, jax.tree.map(lambda x: x[0], data), tokens_M[0], seqs_M[0],
-                       graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk, remat=remat)
-
-
 def train_step(state: TrainState, batch: dict, *, graphdef, cfg: Config, mesh: Mesh,
                chunk: int | None = DEFAULT_CHUNK, remat_logits: bool = True):
     """(state, batch) -> (state', metrics): one GRPO training step (pure; jit it).
@@ -352,7 +340,11 @@ def _sage_metrics(batch: dict) -> dict:
 class TrainStep:
     """`step(state, batch) -> (state, metrics)`: checks the batch (clear errors before any
     compile), then runs `train_step` jitted with the state's partition-rule shardings, rows over
-    ("data", "fsdp"), metrics replicated, and the state donated."""
+    ("data", "fsdp"), metrics replicated, and the state donated.
+
+    chunk: sequence columns per chunk of logits (None = all at once); remat_logits: recompute
+    each chunk's logits in the backward pass (memory [R, C, V] instead of [R, L, V] floats for
+    R rows per micro-batch)."""
 
     def __init__(self, graphdef, cfg: Config, mesh: Mesh, *, chunk: int | None = DEFAULT_CHUNK,
                  remat_logits: bool = True):
@@ -380,16 +372,6 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: dict):
         check_batch(batch, self.cfg, self.mesh)
         return self.jitted(state)(state, batch)
-
-
-def make_train_step(graphdef, cfg: Config, mesh: Mesh, *, chunk: int | None = DEFAULT_CHUNK,
-                    remat_logits: bool = True) -> TrainStep:
-    """The jitted, sharded, state-donating train step for `cfg` on `mesh`.
-
-    chunk: sequence columns per chunk of logits (None = all at once); remat_logits: recompute
-    each chunk's logits in the backward pass (memory [R, C, V] instead of [R, L, V] floats for
-    R rows per micro-batch)."""
-    return TrainStep(graphdef, cfg, mesh, chunk=chunk, remat_logits=remat_logits)
 
 
 def make_logprob_fn(graphdef, mesh, *, micro_batch_size: int | None = None,

@@ -1,28 +1,21 @@
-"""Host-side answer verifiers, a reward registry, and a process pool that runs them safely.
+"""A reward registry, and a process pool that runs reward functions safely.
 
 A reward function has the signature ``fn(response: str, ground_truth: str) -> float``. Functions go
 to worker processes by reference, so they must be picklable: defined at module level (not a lambda,
 closure or bound method of an unpicklable object). A function may raise; `RewardPool` turns any
-exception, and any answer that runs past its deadline, into a 0.0 score and counts it.
-
-`math_reward` is the paper's reward: 1.0 when the last ``\\boxed{...}`` of the response is
-mathematically equivalent to the ground truth (checked with the `math-verify` library), else 0.0.
-The registry's "math" entry is its variant `math_reward_checked`, which raises on timeouts and
-refused inputs so that the pool's stats count them.
+exception, and any answer that runs past its deadline, into a 0.0 score and counts it; raising
+`RewardTimeout` or `RewardRejected` gets the answer counted as a timeout or a refusal. Tasks bring
+their own rewards (the paper's math reward is `tasks/math_grading.py`, registered as "math").
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import logging
 import math
 import multiprocessing as mp
 import os
 import pickle
-import re
 import signal
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,25 +24,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-from math_verify.errors import TimeoutException
 
 RewardFn = Callable[[str, str], float]
-
-MAX_BOXED_CHARS = 2_000
-"""Boxed answers longer than this are refused (`RewardRejected`) instead of parsed."""
-
-SOFT_TIMEOUT_S = 5
-"""Per-step math-verify timeout (whole seconds, SIGALRM-based; used only in a main thread)."""
-
-_BOX_OPEN_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_BRACE_TOKEN_RE = re.compile(r"\\.|[{}]", re.DOTALL)
-_UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")
-_INTEGRAL_FLOAT_RE = re.compile(r"[+-]?\d+\.0*")
-_SCI_NUMBER_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
-_TRAILING_POINT_RE = re.compile(r"(?<=\d)\.(?=$|[\s/),\]}*])")  # "1./3", "(1., 2.)", "5."
-_MACRO_SUBSCRIPT_RE = re.compile(r"_(?:\{\s*\\([A-Za-z]+)\s*\}|\\([A-Za-z]+))")
-_EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 
 
 class RewardTimeout(TimeoutError):
@@ -58,157 +34,6 @@ class RewardTimeout(TimeoutError):
 
 class RewardRejected(ValueError):
     """The answer was refused before checking (e.g. an absurdly long boxed expression)."""
-
-
-# ----------------------------------------------------------------------------- answer text
-
-
-def _box_span(text: str, open_end: int) -> int | None:
-    """Index of the brace closing a group opened just before `open_end`; None if unbalanced."""
-    depth = 1
-    for m in _BRACE_TOKEN_RE.finditer(text, open_end):
-        token = m.group()
-        if token == "{":
-            depth += 1
-        elif token == "}":
-            depth -= 1
-            if depth == 0:
-                return m.start()
-    return None
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in `text`, stripped.
-
-    Braces must balance (escaped ``\\{`` and ``\\}`` do not count). Returns None when there is no
-    box, the last box is empty, or its braces never close (e.g. a truncated answer).
-    """
-    last = None
-    for last in _BOX_OPEN_RE.finditer(text):
-        pass
-    if last is None:
-        return None
-    close = _box_span(text, last.end())
-    if close is None:
-        return None
-    content = text[last.end():close].strip()
-    return content or None
-
-
-def normalize_answer(answer: Any) -> str:
-    """Canonical ground-truth string: integral floats as integers (27.0 -> "27"), no ``$``.
-
-    Accepts str, int or float. Strips whitespace, a box wrapping the whole answer, and unescaped
-    dollar signs (``$69$,$84$`` -> ``69,84``); escaped ``\\$`` (currency) is kept.
-    """
-    if isinstance(answer, (bool, np.bool_)) or answer is None:
-        raise TypeError(f"answer must be a str, int or float, got {answer!r}")
-    if isinstance(answer, (int, np.integer)):
-        return str(int(answer))
-    if isinstance(answer, (float, np.floating)):
-        value = float(answer)
-        if not math.isfinite(value):
-            raise ValueError(f"answer is not a finite number: {answer!r}")
-        return str(int(value)) if value.is_integer() else repr(value)
-    if not isinstance(answer, str):
-        raise TypeError(f"answer must be a str, int or float, got {type(answer).__name__}")
-    text = answer.strip()
-    box = _BOX_OPEN_RE.match(text)
-    if box is not None and _box_span(text, box.end()) == len(text) - 1:
-        text = text[box.end():-1].strip()
-    text = _UNESCAPED_DOLLAR_RE.sub("", text).strip()
-    if _INTEGRAL_FLOAT_RE.fullmatch(text):
-        text = text.split(".")[0]
-    return text
-
-
-# ----------------------------------------------------------------------------- math reward
-
-
-def _soft_timeout() -> int | None:
-    """math-verify's SIGALRM timeouts work only in the main thread; elsewhere disable them."""
-    return SOFT_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-
-
-def _prepare(text: str) -> str:
-    """Rewrite what math-verify misreads: 3.8e35 (as 3.8*e*35), 1./3, and macro subscripts
-    such as m_{\\max} or L_\\odot (unparseable; they become plain names, m_{max})."""
-    text = _SCI_NUMBER_RE.sub(r"\1 \\times 10^{\2}", text)
-    text = _TRAILING_POINT_RE.sub("", text)
-    return _MACRO_SUBSCRIPT_RE.sub(lambda m: "_{" + (m.group(1) or m.group(2)) + "}", text)
-
-
-@functools.lru_cache(maxsize=2048)  # a prompt's ground truth and its G answers repeat a lot
-def _parse(latex: str, timeout_s: int | None) -> tuple:
-    try:
-        return tuple(parse("\\boxed{" + latex + "}", extraction_config=_EXTRACTION,
-                     parsing_timeout=timeout_s, raise_on_error=True))
-    except TimeoutException:
-        raise RewardTimeout("math-verify timed out while parsing") from None
-    except Exception:  # unparseable: judged by the string fallback only, or not at all
-        return ()
-
-
-def parse_answer(latex: str) -> tuple:
-    """math-verify's reading of a bare LaTeX answer: SymPy objects and/or its string fallback.
-
-    An answer that yields only strings can be matched by identical text alone.
-    """
-    return _parse(_prepare(latex), _soft_timeout())
-
-
-def is_equivalent(answer: str, ground_truth: str) -> bool:
-    """Whether two bare LaTeX answers (no box) are mathematically equivalent per math-verify.
-
-    Identical strings are equivalent without parsing. Raises `RewardTimeout` when a parse or
-    every failing comparison ran out of time.
-    """
-    if answer.strip() == ground_truth.strip():
-        return True
-    timeout_s = _soft_timeout()
-    gold = _parse(_prepare(ground_truth), timeout_s)
-    pred = _parse(_prepare(answer), timeout_s)
-    timed_out = False
-    for g in gold:
-        for p in pred:
-            try:
-                if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
-                    return True
-            except TimeoutException:
-                timed_out = True
-            except Exception:  # e.g. sympy cannot compare these two kinds of object
-                continue
-    if timed_out:
-        raise RewardTimeout("math-verify timed out while comparing")
-    return False
-
-
-def math_reward(response: str, ground_truth: str) -> float:
-    """1.0 if the last boxed answer in `response` equals `ground_truth` mathematically, else 0.0.
-
-    No box, an empty box, unbalanced braces, a boxed answer over `MAX_BOXED_CHARS` and a
-    math-verify timeout all score 0.0. `math_reward_checked` (the registered "math" reward) raises
-    for the last two instead, so that `RewardPool` can count them.
-    """
-    try:
-        return math_reward_checked(response, ground_truth)
-    except (RewardTimeout, RewardRejected):
-        return 0.0
-
-
-def math_reward_checked(response: str, ground_truth: str) -> float:
-    """`math_reward`, but raises `RewardRejected` for a boxed answer over `MAX_BOXED_CHARS` and
-    `RewardTimeout` when math-verify runs out of time. Raises ValueError for an empty ground truth.
-    """
-    answer = extract_boxed(response)
-    if answer is None:
-        return 0.0
-    if len(answer) > MAX_BOXED_CHARS:
-        raise RewardRejected(f"boxed answer has {len(answer)} chars (limit {MAX_BOXED_CHARS})")
-    gold = normalize_answer(ground_truth)
-    if not gold:
-        raise ValueError("ground truth is empty")
-    return 1.0 if is_equivalent(answer, gold) else 0.0
 
 
 # ----------------------------------------------------------------------------- registry
@@ -240,13 +65,6 @@ def get_reward(name: str) -> RewardFn:
         raise KeyError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY)}") from None
 
 
-def reward_names() -> tuple[str, ...]:
-    """Names of all registered rewards."""
-    return tuple(sorted(_REGISTRY))
-
-
-register_reward("math", math_reward_checked)  # its timeouts and refusals get counted
-
 # ----------------------------------------------------------------------------- worker pool
 
 
@@ -257,7 +75,6 @@ def _worker_main(conn: Connection, memory_limit_mb: int | None,
     `preload`: the reward function's module, imported before the worker reports ready, so a
     heavy import (the toy task's pulls in jax) never counts against the first answer's timeout."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and shuts us down
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # it logs whole inputs on timeout
     if memory_limit_mb is not None:
         import resource
 
@@ -280,7 +97,7 @@ def _worker_main(conn: Connection, memory_limit_mb: int | None,
         try:
             value = float(fn(response, ground_truth))
             reply = ("ok", value) if math.isfinite(value) else ("errors", 0.0)
-        except (TimeoutError, TimeoutException):
+        except TimeoutError:
             reply = ("timeouts", 0.0)
         except RewardRejected:
             reply = ("rejected", 0.0)
@@ -322,7 +139,7 @@ class RewardPool:
     so a script that creates a pool needs the usual ``if __name__ == "__main__":`` guard.
     """
 
-    def __init__(self, fn: RewardFn | str = "math", *, num_workers: int | None = None,
+    def __init__(self, fn: RewardFn | str, *, num_workers: int | None = None,
                  timeout_s: float = 5.0, max_chars: int | None = 1_000_000,
                  memory_limit_mb: int | None = 4096, start_method: str | None = None) -> None:
         if timeout_s <= 0:
@@ -486,10 +303,3 @@ class RewardPool:
         except Exception:
             pass
 
-
-def score_batch(responses: Sequence[str], ground_truths: Sequence[str], *,
-                fn: RewardFn | str = "math", timeout_s: float = 5.0,
-                num_workers: int | None = None) -> tuple[np.ndarray, dict[str, int]]:
-    """One-off `RewardPool(...).score(...)`; for repeated calls keep a `RewardPool` open."""
-    with RewardPool(fn, num_workers=num_workers, timeout_s=timeout_s) as pool:
-        return pool.score(responses, ground_truths)

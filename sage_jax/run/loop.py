@@ -218,7 +218,7 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 graphdef=graphdef, state=state.replace(sage={}),
                 tables=SageTables.from_arrays(state.sage),
                 ckpt=ckpt,
-                step_fn=update.make_train_step(graphdef, cfg, mesh), scorer=scorer,
+                step_fn=update.TrainStep(graphdef, cfg, mesh), scorer=scorer,
                 logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
                 last_saved=start)
 

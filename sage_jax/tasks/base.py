@@ -9,11 +9,12 @@ held-out problems); `sage_jax.tasks.registry.TASKS` maps `task.name` to plug-ins
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable, Protocol
 
 from sage_jax.core import sage
-
-RewardFn = Callable[[str, str], float]  # (response text, ground truth) -> score
+from sage_jax.infra.rewards import RewardFn
+from sage_jax.tasks.math_grading import leaks_answer
 
 
 class Task(Protocol):
@@ -59,7 +60,8 @@ class Task(Protocol):
 
 class PayloadHints:
     """`hint_requests` / `read_hints` of a task that asks for every level in one JSON payload
-    (`self.hint_request(problem, solution)`), read by `core.sage.read_payload`."""
+    (`self.hint_request(problem, solution)`), read by `core.sage.read_payload`; a level that
+    boxes the final answer is refused (`math_grading.leaks_answer`)."""
 
     def hint_requests(self, problem: str, solution: str) -> dict[int, list[int]]:
         return {0: self.hint_request(problem, solution)}  # type: ignore[attr-defined]
@@ -67,7 +69,7 @@ class PayloadHints:
     @staticmethod
     def read_hints(text: str, level: int, answer: str) -> tuple[dict[int, str], int]:
         del level
-        return sage.read_payload(text, answer)
+        return sage.read_payload(text, functools.partial(leaks_answer, ground_truth=answer))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import pyarrow.parquet as pq
 
-from sage_jax.infra.rewards import extract_boxed, normalize_answer
+from sage_jax.tasks.math_grading import extract_boxed, normalize_answer
 
 __all__ = ["ALL_BENCHMARKS", "BENCHMARKS", "Problem", "benchmark_path", "load_benchmark",
            "normalize_answer"]

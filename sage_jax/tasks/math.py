@@ -6,11 +6,11 @@ import re
 from typing import Iterable
 
 from sage_jax.config import ConfigError
-from sage_jax.core.sage import LEVELS, leaks_answer
+from sage_jax.core.sage import LEVELS
 from sage_jax.models.hf_io import check_model_dir
 from sage_jax.models.tokenizer import Tokenizer
-from sage_jax.infra.rewards import extract_boxed, math_reward_checked
 from sage_jax.tasks.base import PayloadHints, TaskPlugin
+from sage_jax.tasks.math_grading import extract_boxed, leaks_answer, math_reward_checked
 
 # SAGE's and Qwen-Math's evaluation instruction; training uses the same one.
 ANSWER_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -69,7 +69,7 @@ def prefix_hints(solution: str, answer: str) -> dict[int, str]:
 
 
 class MathTask(PayloadHints):
-    """Math word problems scored by `rewards.math_reward` (its timeouts and refusals counted)."""
+    """Math word problems scored by `math_grading.math_reward` (its timeouts and refusals counted)."""
 
     name = "math"
     reward_fn = staticmethod(math_reward_checked)

@@ -282,12 +282,14 @@ def test_parse_hints(text, expected):
     assert sage.parse_hints(text) == expected
 
 
-def test_parse_hints_rejects_a_level_that_boxes_the_answer():
-    text = json.dumps({"level1": "Use symmetry.", "level2": "So it is \\boxed{\\frac{1}{2}}",
-                       "level3": "The answer is \\boxed{0.5}."})
-    assert sage.parse_hints(text, ground_truth="1/2") == {1: "Use symmetry."}
-    assert sage.parse_hints(text, ground_truth="7") == {1: "Use symmetry.", 2: "So it is \\boxed{\\frac{1}{2}}",
-                                                         3: "The answer is \\boxed{0.5}."}
+def test_parse_hints_drops_the_levels_the_task_says_leak():
+    text = json.dumps({"level1": "Use symmetry.", "level2": "So it is 1/2",
+                       "level3": "Half of it: 1/2."})
+    leaks = lambda hint: "1/2" in hint  # noqa: E731 - the task's check, here a stand-in
+    assert sage.parse_hints(text, leaks) == {1: "Use symmetry."}
+    assert sage.parse_hints(text) == {1: "Use symmetry.", 2: "So it is 1/2", 3: "Half of it: 1/2."}
+    assert sage.read_payload(text, leaks) == ({1: "Use symmetry."}, 2)
+    assert sage.read_payload("no payload", leaks) == ({}, 0)
 
 
 def test_group_status_non_binary():

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from grad_fixtures import minibatch_grads
 from sage_jax.run import build
 from sage_jax.core import grpo
 from sage_jax.engine import memory, packing, sampling, update
@@ -205,7 +206,7 @@ def test_activations_match_xla_buffer_assignment(sizes):
     cfg = make_cfg()
     mesh = make_mesh(sizes)
     graphdef, state = update.init_train_state(make_model(cfg), cfg, mesh)
-    step = update.make_train_step(graphdef, cfg, mesh, chunk=CHUNK)
+    step = update.TrainStep(graphdef, cfg, mesh, chunk=CHUNK)
     batch = parallel.shard_batch(make_batch(), mesh)
     temp = step.jitted(state).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     est = estimate(cfg, sizes)
@@ -221,7 +222,7 @@ def test_activations_of_long_rows_in_attention_blocks_match_xla(monkeypatch):
     cfg = make_cfg()
     mesh = make_mesh((1, 1, 1))
     graphdef, state = update.init_train_state(make_model(cfg), cfg, mesh)
-    step = update.make_train_step(graphdef, cfg, mesh, chunk=CHUNK)
+    step = update.TrainStep(graphdef, cfg, mesh, chunk=CHUNK)
     batch = parallel.shard_batch(make_batch(), mesh)
     temp = step.jitted(state).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     est = estimate(cfg, (1, 1, 1))
@@ -274,7 +275,7 @@ def test_remat_shrinks_the_compiled_train_step_on_cpu():
     for remat in (False, True):
         cfg = make_cfg(remat=remat)
         graphdef, state = update.init_train_state(make_model(cfg, deep), cfg, mesh)
-        step = update.make_train_step(graphdef, cfg, mesh, chunk=CHUNK)
+        step = update.TrainStep(graphdef, cfg, mesh, chunk=CHUNK)
         compiled = step.jitted(state).lower(state, batch).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[True] < 0.5 * temp[False], temp
@@ -290,7 +291,7 @@ def test_remat_gives_the_same_gradients():
         cfg = make_cfg(remat=remat)
         graphdef, state = update.init_train_state(make_model(cfg), cfg, mesh)
         assert nnx.merge(graphdef, state.params).remat is remat
-        grads.append(jax.device_get(jax.jit(lambda p, b, g=graphdef, c=cfg: update.minibatch_grads(
+        grads.append(jax.device_get(jax.jit(lambda p, b, g=graphdef, c=cfg: minibatch_grads(
             p, b, graphdef=g, cfg=c, mesh=mesh))(state.params, batch)[0]))
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from grad_fixtures import minibatch_grads
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import Config, DataConfig, MeshConfig, OptimConfig, RLConfig, TrainConfig
 from sage_jax.core import grpo
-from sage_jax.engine import packing, update
+from sage_jax.engine import update
 
 MODEL = models.DecoderConfig(family="llama", vocab_size=40, hidden_size=32, intermediate_size=64,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -123,15 +124,14 @@ def test_packed_update_equals_padded_update(agg):
     assert holding_rows(packed, cfg)[1] < 8  # some micro-batches are skipped
     graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, mesh)
 
-    grads = jax.jit(lambda p, b: update.minibatch_grads(p, b, graphdef=graphdef, cfg=cfg,
-                                                        mesh=mesh))
+    grads = jax.jit(lambda p, b: minibatch_grads(p, b, graphdef=graphdef, cfg=cfg, mesh=mesh))
     (g_pad, m_pad), (g_pack, m_pack) = grads(state.params, batch), grads(state.params, packed)
     assert max_diff(g_pad, jax.tree.map(np.zeros_like, g_pad)) > 1e-4  # a real gradient
     assert max_diff(g_pad, g_pack) < 1e-6, agg
     for key in ("loss", "pg_loss", "entropy", "kl/old_new"):
         np.testing.assert_allclose(m_pack[key], m_pad[key], rtol=1e-5, atol=1e-7)
 
-    step = update.make_train_step(graphdef, cfg, mesh)
+    step = update.TrainStep(graphdef, cfg, mesh)
     params = jax.device_get(state.params)
     out_pad, met_pad = step(jax.tree.map(np.copy, state), batch)
     _, state2 = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, mesh)
@@ -184,7 +184,7 @@ def test_packed_step_with_skipped_micro_batches_equals_padded(
     def step(batch, mesh):
         graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg,
                                                   mesh)
-        return update.make_train_step(graphdef, cfg, mesh)(state,
+        return update.TrainStep(graphdef, cfg, mesh)(state,
                                                            parallel.shard_batch(batch, mesh))
 
     (pad, met_pad), (pack, met_pack) = step(batch, base), step(packed, mesh)

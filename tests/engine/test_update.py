@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from grad_fixtures import minibatch_grads
 from sage_jax.core import grpo
 from sage_jax import models
 from sage_jax.infra import parallel
@@ -122,7 +123,7 @@ def test_partition_rules():
 def test_bad_batches_fail_before_compiling():
     mesh = parallel.make_mesh(MeshConfig(-1, 1, 1))
     cfg = make_cfg()
-    step = update.make_train_step(None, cfg, mesh)  # never compiled: every call must fail first
+    step = update.TrainStep(None, cfg, mesh)  # never compiled: every call must fail first
     good = make_batch(16)
     with pytest.raises(ValueError, match="12 rows.*data=8 x fsdp=1"):
         step(None, make_batch(12))
@@ -135,9 +136,9 @@ def test_bad_batches_fail_before_compiling():
     with pytest.raises(ValueError, match="level_N.*expected \\[16\\]"):
         step(None, dict(good, level_N=np.zeros(8, np.int8)))
     with pytest.raises(ValueError, match="ref_logp_NxL"):
-        update.make_train_step(None, make_cfg(kl_beta=0.1), mesh)(None, good)
+        update.TrainStep(None, make_cfg(kl_beta=0.1), mesh)(None, good)
     with pytest.raises(ValueError, match="micro-batch.*4 rows.*divisible by 8"):
-        update.make_train_step(None, make_cfg(micro_batch_size=4), mesh)(None, good)
+        update.TrainStep(None, make_cfg(micro_batch_size=4), mesh)(None, good)
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         update.check_batch(good, make_cfg(prompts=3, micro_batch_size=3), one_device_mesh())
 
@@ -156,11 +157,10 @@ def test_micro_batching_gives_the_same_gradient_and_params(agg, capsys):
     for k in ks:
         cfg = make_cfg(micro_batch_size=16 // k, loss_agg=agg)
         graphdef, state = init(cfg, mesh)
-        fn = jax.jit(lambda p, b: update.minibatch_grads(p, b, graphdef=graphdef, cfg=cfg,
-                                                         mesh=mesh))
+        fn = jax.jit(lambda p, b: minibatch_grads(p, b, graphdef=graphdef, cfg=cfg, mesh=mesh))
         grads[k] = fn(state.params, batch)[0]
         if agg == "token-mean" and k != 2:  # (a whole step compiles slowly: 1 vs 4 only)
-            state, m = update.make_train_step(graphdef, cfg, mesh)(state, batch)
+            state, m = update.TrainStep(graphdef, cfg, mesh)(state, batch)
             params[k], metrics[k] = state.params, m
     for k in ks[1:]:
         with capsys.disabled():
@@ -184,7 +184,7 @@ def test_sharded_update_equals_one_device(capsys):
         devices = jax.devices()[:1] if shape == (1, 1, 1) else None
         mesh = parallel.make_mesh(MeshConfig(*shape), devices)
         graphdef, state = init(cfg, mesh)
-        state, metrics = update.make_train_step(graphdef, cfg, mesh)(
+        state, metrics = update.TrainStep(graphdef, cfg, mesh)(
             state, parallel.shard_batch(batch, mesh))
         out[shape] = (jax.tree.map(np.asarray, state.params), metrics)
     base_params, base_metrics = out[(1, 1, 1)]
@@ -214,7 +214,7 @@ def test_learning_moves_logprobs_by_advantage_sign():
         return np.asarray(lp).sum(axis=1)
 
     before = answer_logp(state.params)
-    step = update.make_train_step(graphdef, cfg, mesh)
+    step = update.TrainStep(graphdef, cfg, mesh)
     for _ in range(5):
         state, metrics = step(state, batch)
     after = answer_logp(state.params)
@@ -233,7 +233,7 @@ def test_given_old_logprobs_equal_recomputed(minibatches):
     graphdef, state = init(cfg, mesh)
     old = update.make_logprob_fn(graphdef, mesh, micro_batch_size=4)(
         state.params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])
-    step = update.make_train_step(graphdef, cfg, mesh)
+    step = update.TrainStep(graphdef, cfg, mesh)
     s1, m1 = step(init(cfg, mesh)[1], batch)
     s2, m2 = step(state, dict(batch, old_logp_NxL=old))
     assert max_diff(s1.params, s2.params) < 1e-6
@@ -262,7 +262,7 @@ def test_reference_kl_and_epochs():
     logp = update.make_logprob_fn(graphdef, mesh)(
         state.params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])
     ref = np.where(batch["loss_mask_NxL"], np.asarray(logp) - 0.3, 0.0).astype(np.float32)
-    state, m = update.make_train_step(graphdef, cfg, mesh)(state, dict(batch, ref_logp_NxL=ref))
+    state, m = update.TrainStep(graphdef, cfg, mesh)(state, dict(batch, ref_logp_NxL=ref))
     kl = math.exp(-0.3) + 0.3 - 1  # k3 at the first update, where logp = old logp
     assert float(m["kl/ref"]) == pytest.approx(kl, rel=0.05)
     assert float(m["loss"]) == pytest.approx(float(m["pg_loss"]) + 0.5 * float(m["kl/ref"]),
@@ -276,7 +276,7 @@ def test_reference_kl_and_epochs():
 def _step_result(cfg, batch, mesh, remat):
     model = models.Decoder(MODEL, rngs=nnx.Rngs(0), remat=remat)
     graphdef, state = update.init_train_state(model, cfg, mesh)
-    state, metrics = update.make_train_step(graphdef, cfg, mesh)(
+    state, metrics = update.TrainStep(graphdef, cfg, mesh)(
         state, parallel.shard_batch(batch, mesh))
     return jax.device_get((state.params, metrics))
 

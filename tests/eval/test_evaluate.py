@@ -12,7 +12,7 @@ import eval_fixtures
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax import evaluate, models
 from sage_jax.infra import rewards
-from sage_jax.infra.rewards import extract_boxed
+from sage_jax.tasks.math_grading import extract_boxed, math_reward_checked
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.benchmarks import Problem, load_benchmark
 
@@ -155,8 +155,8 @@ def test_evaluate_problems_maps_scores_back_through_the_length_sort(tiny_toy_pol
 class _BoxedTwelve(_AnswerOnly):
     """Prompts of the toy task; every answer reads as "... \\boxed{12}" for the math checker."""
 
-    reward_fn = staticmethod(rewards.math_reward_checked)
-    extract_answer = staticmethod(rewards.extract_boxed)
+    reward_fn = staticmethod(math_reward_checked)
+    extract_answer = staticmethod(extract_boxed)
 
     def decode(self, ids):
         return "so the answer is $\\boxed{12}$"
@@ -165,7 +165,7 @@ class _BoxedTwelve(_AnswerOnly):
 def test_evaluate_problems_with_the_real_math_checker(tiny_toy_policy):
     graphdef, params = tiny_toy_policy
     problems = _two_benchmarks(["12", "12.0", "13", "\\frac{24}{2}", "-12"])
-    with rewards.RewardPool("math", num_workers=1) as pool:
+    with rewards.RewardPool(math_reward_checked, num_workers=1) as pool:
         res = eval_lib.evaluate_problems(
             graphdef, params, _BoxedTwelve(), problems, k=2, temperature=1.0, top_p=1.0,
             max_new_tokens=8, key=jax.random.PRNGKey(0), scorer=pool.score, keep_samples=True)

@@ -1,20 +1,17 @@
-"""Tests for sage_jax.infra.rewards: boxed extraction, math equivalence, the registry and RewardPool."""
+"""Tests for sage_jax.infra.rewards: the reward registry and RewardPool (timeouts, crashes,
+memory limits, refusals), with the math reward and stand-in rewards."""
 
 from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from math_verify.errors import TimeoutException
 
 from sage_jax.infra import rewards
-from sage_jax.infra.rewards import (
-    MAX_BOXED_CHARS, RewardPool, RewardRejected, RewardTimeout, extract_boxed, get_reward,
-    math_reward, math_reward_checked, normalize_answer, register_reward, reward_names, score_batch,
-)
+from sage_jax.infra.rewards import RewardPool, get_reward, register_reward
+from sage_jax.tasks.math_grading import extract_boxed, math_reward_checked
 
 HANG_GUARD_S = 30.0  # generous bound: only catches hangs, not slowness
 
@@ -55,143 +52,8 @@ def allocates_4gib(response: str, ground_truth: str) -> float:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RewardPool("math", num_workers=2, timeout_s=10.0) as p:
+    with RewardPool(math_reward_checked, num_workers=2, timeout_s=10.0) as p:
         yield p
-
-
-# ----------------------------------------------------------------------------- extraction
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("\\boxed{42}", "42"),
-    ("first \\boxed{1} then \\boxed{2}", "2"),
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
-    ("\\boxed{\\left\\{ x \\right\\}}", "\\left\\{ x \\right\\}"),
-    ("\\fbox{7}", "7"),
-    ("\\boxed {  3 }", "3"),
-    ("\\boxed{1} and \\fbox{2}", "2"),
-    ("no box here", None),
-    ("\\boxed{}", None),
-    ("\\boxed{   }", None),
-    ("\\boxed{\\frac{1}{2}", None),
-    ("\\boxed{4} then a truncated \\boxed{5", None),
-])
-def test_extract_boxed(text, expected):
-    assert extract_boxed(text) == expected
-
-
-@pytest.mark.parametrize("raw, expected", [
-    (27.0, "27"),
-    (2.5, "2.5"),
-    (7, "7"),
-    ("27.0", "27"),
-    ("  $\\frac{1}{2}$ ", "\\frac{1}{2}"),
-    ("$69$,$84$", "69,84"),
-    ("\\$18.90", "\\$18.90"),
-    ("\\boxed{5}", "5"),
-    ("1.5", "1.5"),
-])
-def test_normalize_answer(raw, expected):
-    assert normalize_answer(raw) == expected
-
-
-@pytest.mark.parametrize("raw", [None, True, float("nan"), ["1"]])
-def test_normalize_answer_rejects_non_answers(raw):
-    with pytest.raises((TypeError, ValueError)):
-        normalize_answer(raw)
-
-
-# ----------------------------------------------------------------------------- math_reward
-
-
-@pytest.mark.parametrize("answer, truth", [
-    ("0.5", "1/2"),
-    ("\\frac{1}{2}", "0.5"),
-    ("\\dfrac{3}{4}", "\\frac34"),
-    ("0.75", "\\dfrac{3}{4}"),
-    ("2\\sqrt{2}", "\\sqrt{8}"),
-    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"),
-    ("[1, 2)", "[1,2)"),
-    ("(-\\infty, 3]", "(-\\infty,3]"),
-    ("(1, 2, 3)", "\\left( 1,2,3 \\right)"),
-    ("(3, \\frac{\\pi}{2})", "\\left( 3, \\frac{\\pi}{2} \\right)"),
-    ("\\{2, 1\\}", "\\{1,2\\}"),
-    ("84, 69", "69,84"),
-    ("50", "50\\%"),
-    ("50\\%", "50"),
-    ("1,000", "1000"),
-    ("1000", "1,000"),
-    ("32348", "\\$32,\\!348"),
-    ("27", "27.0"),
-    ("27", 27.0),
-    ("3.83 \\times 10^{35}", "3.83e35"),
-    ("-\\frac{1}{3}", "-1./3"),
-    ("\\$18.90", "18.90"),
-    ("x = 3", "3"),
-    ("90^\\circ", "90"),
-    ("\\text{Evelyn}", "\\text{Evelyn}"),
-    ("\\text{(C)}", "C"),
-    ("n^2 - n - 1", "m_{\\max }=n^{2}-n-1"),
-    ("\\frac{L_\\odot}{M_\\odot}", "\\frac{L_{\\odot}}{M_{\\odot}}"),
-])
-def test_math_reward_equivalent(answer, truth):
-    assert math_reward(boxed(answer), truth) == 1.0
-
-
-@pytest.mark.parametrize("answer, truth", [
-    ("0.51", "1/2"),
-    ("28", "27.0"),
-    ("2\\sqrt{3}", "\\sqrt{8}"),
-    ("[1, 2]", "[1,2)"),
-    ("(1, 2, 4)", "(1,2,3)"),
-    ("\\{1, 3\\}", "\\{1,2\\}"),
-    ("100", "1,000"),
-    ("5", "50\\%"),
-    ("B", "A"),
-])
-def test_math_reward_wrong(answer, truth):
-    assert math_reward(boxed(answer), truth) == 0.0
-
-
-@pytest.mark.parametrize("response", [
-    "The answer is 4.",
-    "\\boxed{}",
-    "\\boxed{4",
-    "\\boxed{4} but no, it is \\boxed{4",
-    "",
-])
-def test_math_reward_no_usable_box_is_zero(response):
-    assert math_reward(response, "4") == 0.0
-
-
-def test_last_box_wins():
-    response = "Maybe \\boxed{3}? No, the answer is \\boxed{4}."
-    assert math_reward(response, "4") == 1.0
-    assert math_reward(response, "3") == 0.0
-
-
-def test_huge_box_is_refused():
-    response = boxed("1+" * MAX_BOXED_CHARS + "1")
-    assert math_reward(response, "5") == 0.0
-    with pytest.raises(RewardRejected):
-        math_reward_checked(response, "5")
-
-
-def test_timeouts_score_zero_or_raise_when_checked(monkeypatch):
-    def slow(*args, **kwargs):
-        raise TimeoutException("simulated")
-
-    monkeypatch.setattr(rewards, "verify", slow)
-    assert math_reward(boxed("0.5"), "1/2") == 0.0
-    with pytest.raises(RewardTimeout):
-        math_reward_checked(boxed("0.5"), "1/2")
-
-
-def test_math_reward_works_off_the_main_thread():
-    with ThreadPoolExecutor(max_workers=2) as ex:
-        scores = list(ex.map(math_reward, [boxed("0.5"), boxed("3")], ["1/2", "4"]))
-    assert scores == [1.0, 0.0]
 
 
 # ----------------------------------------------------------------------------- RewardPool
@@ -269,16 +131,11 @@ def test_pool_counts_non_string_inputs_as_errors(pool):
 
 
 def test_closed_pool_refuses_work():
-    p = RewardPool("math", num_workers=1)
+    p = RewardPool(math_reward_checked, num_workers=1)
     p.close()
     p.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         p.score(["a"], ["b"])
-
-
-def test_score_batch_one_off():
-    scores, stats = score_batch([boxed("1/2"), boxed("1")], ["0.5", "0.5"], num_workers=1)
-    assert scores.tolist() == [1.0, 0.0] and stats["n"] == 2
 
 
 # ----------------------------------------------------------------------------- registry
@@ -292,9 +149,7 @@ def registry_name():
 
 
 def test_registry(registry_name):
-    assert get_reward("math") is math_reward_checked
     register_reward(registry_name, exact_match)
-    assert registry_name in reward_names()
     assert get_reward(registry_name) is exact_match
     register_reward(registry_name, exact_match)  # same function again: fine
     with pytest.raises(ValueError, match="already registered"):
@@ -317,4 +172,5 @@ def test_registry_errors():
         register_reward("lambda_reward", lambda r, g: 1.0)
     with pytest.raises(TypeError, match="callable"):
         register_reward("not_callable", 3)  # type: ignore[arg-type]
-    assert "lambda_reward" not in reward_names()
+    with pytest.raises(KeyError):
+        get_reward("lambda_reward")

@@ -73,7 +73,7 @@ def one_step(shape):
     batch = batching.train_batch(ro, loss_context=CFG.rl.loss_context,
                                  adv_scale=CFG.rl.adv_scale, pad_id=task.pad_id)
     before = jax.tree.map(np.asarray, state.params)  # (the step donates the state)
-    state, upd = update.make_train_step(graphdef, CFG, mesh)(state,
+    state, upd = update.TrainStep(graphdef, CFG, mesh)(state,
                                                              parallel.shard_batch(batch, mesh))
     return dict(mesh=mesh, samples=ro.samples, rewards=ro.rewards, level=ro.level,
                 rollout={k: v for k, v in ro.metrics.items() if not k.startswith("time/")},
@@ -161,7 +161,7 @@ def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
                                                 given["mask_NxL"], need_NxL=loss))
     np.testing.assert_allclose(given["old_logp_NxL"][loss], recomputed[loss], atol=2e-5)
     assert np.all(given["old_logp_NxL"][~loss] == 0) and np.all(recomputed[loss] < 0)
-    step = update.make_train_step(graphdef, CFG, mesh)
+    step = update.TrainStep(graphdef, CFG, mesh)
     got = [step(s, parallel.shard_batch(b, mesh)) for s, b in ((state, given),
                                                                (fresh()[1], plain))]
     (s_given, m_given), (s_plain, m_plain) = jax.device_get(got)

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sage_jax.infra.rewards import RewardPool, math_reward_checked, parse_answer
+from sage_jax.infra.rewards import RewardPool
+from sage_jax.tasks.math_grading import math_reward_checked, parse_answer
 from sage_jax.tasks.benchmarks import (
     ALL_BENCHMARKS,
     BENCHMARKS,
@@ -203,7 +204,7 @@ def test_verl_row_without_ground_truth(tmp_path):
 
 @pytest.fixture(scope="module")
 def pool():
-    with RewardPool("math", num_workers=2, timeout_s=20.0) as p:
+    with RewardPool(math_reward_checked, num_workers=2, timeout_s=20.0) as p:
         yield p
 
 

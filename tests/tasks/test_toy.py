@@ -7,6 +7,7 @@ import pytest
 
 from sage_jax.core import sage
 from sage_jax.models.char_tokenizer import CharTokenizer
+from sage_jax.tasks.base import PayloadHints
 from sage_jax.tasks.toy import chains as toy
 
 
@@ -159,7 +160,7 @@ def test_hint_payload_parses_back_with_sage_parser():
         ref = toy.reference_hints(p)
         assert toy.reference_hints(p.solution) == ref
         payload = toy.hint_payload(ref)
-        assert sage.parse_hints(payload, ground_truth=p.answer) == ref
+        assert PayloadHints.read_hints(payload, 0, p.answer) == (ref, 0)
 
 
 def test_continuation_completes_the_hint():

@@ -1,0 +1,22 @@
+"""A reference gradient for the update tests: one mini-batch's gradient, accumulated over
+micro-batches exactly as `engine.update.train_step` accumulates it for one optimiser update."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from sage_jax.engine import update
+
+
+def minibatch_grads(params, batch, *, graphdef, cfg, mesh, chunk=update.DEFAULT_CHUNK,
+                    remat=True):
+    """(grads, metrics) of the whole `batch` taken as one mini-batch, accumulated over
+    micro-batches of `cfg.rl.micro_batch_size` rows (what one optimiser update uses)."""
+    rl = dataclasses.replace(cfg.rl, minibatches=1)
+    data, tokens_M, seqs_M = update._prepare(params, update._packed(batch), graphdef=graphdef,
+                                             rl=rl, mesh=mesh, chunk=chunk)
+    return update._accumulate(params, jax.tree.map(lambda x: x[0], data), tokens_M[0],
+                              seqs_M[0], graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk,
+                              remat=remat)
