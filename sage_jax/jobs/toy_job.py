@@ -37,9 +37,9 @@ STUDIES = """## What the multi-seed studies found
   SAGE run): GRPO leaves 0.40 of the training prompts never solved; the policy writes its own
   hints right about 65 % of the time and they bring half of the all-zero groups back mixed.
   Held-out no-hint accuracy, paired by seed: SAGE with online self-written hints +0.012 +- 0.007
-  over GRPO (hard split +0.030 +- 0.007), reference hints +0.018 +- 0.007; SAGE beats the
-  no-hint re-sampling control by only +0.005 +- 0.004; the hinted context beats the plain one
-  (+0.021 +- 0.006); online hints are no better than offline ones; a SAGE-online step costs
+  over GRPO (hard split +0.030 +- 0.007), reference hints +0.019 +- 0.005; SAGE beats the
+  no-hint re-sampling control by only +0.005 +- 0.003; the hinted context beats the plain one
+  (+0.019 +- 0.007); online hints are no better than offline ones; a SAGE-online step costs
   3.7x a GRPO step here (the paper: 2.3x).
 """
 
