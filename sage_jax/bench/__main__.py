@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from sage_jax.bench import sampler_bench, update_bench, workloads
-from sage_jax.infra import host_memory
+from sage_jax.infra import cli
 
 BENCHES = {"sampler": sampler_bench.run, "update": update_bench.run}
 
@@ -21,8 +21,7 @@ def main(argv=None):
                    help="data folder holding eval/gsm8k/test.jsonl, for the real workload "
                         "(default: $SAGE_JAX_DATA_DIR, else a checkout's ../shared/data)")
     args = p.parse_args(argv)
-    host_memory.tune_malloc()  # as every entry command (`cli.run_command`)
-    BENCHES[args.what](args)
+    cli.run_command(lambda: BENCHES[args.what](args), (FileNotFoundError,))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from sage_jax.infra import distributed
 from sage_jax.core import grpo
 from sage_jax.engine import sampling
 from sage_jax.rl.types import Rollout, Samples
@@ -52,9 +51,8 @@ class PolicySampler:
             num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, eos_ids=self.eos_ids,
             prompt_ids_B=np.asarray(prompt_ids, np.int32), pad_id=self.pad_id, mesh=self.mesh)
-        out = distributed.fetch(out)  # gathered when rows span other processes' devices
-        self.generated_tokens += int(np.sum(out.lengths))
-        return Samples(np.array(out.tokens), np.array(out.lengths), np.array(out.logprobs))
+        self.generated_tokens += int(np.sum(out.lengths))  # host arrays, every process's rows
+        return Samples(out.tokens, out.lengths, out.logprobs)
 
 
 def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "group",

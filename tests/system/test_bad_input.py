@@ -13,7 +13,8 @@ import yaml
 from safetensors.numpy import load_file, save_file
 
 import eval_fixtures
-from sage_jax import evaluate, export, train
+from sage_jax import aot, evaluate, export, sft, train
+from sage_jax.bench import __main__ as bench
 
 ROWS = [{"problem": f"What is {a} + {b}?", "answer": str(a + b),
          "solution": f"{a} + {b} = {a + b}"} for a, b in ((1, 1), (2, 3), (4, 4), (7, 5))]
@@ -133,6 +134,18 @@ def _evaluate_not_a_model(tmp, q, r):
     return evaluate, ["--model", str(tmp), "--out", str(tmp / "e")]
 
 
+def _sft_unknown_key(tmp, q, r):
+    return sft, ["--out", str(tmp / "sft"), "task.toy.no_such_key=1"]
+
+
+def _aot_unknown_topology(tmp, q, r):
+    return aot, ["--config", "toy", "--topology", "v9-nope"]
+
+
+def _bench_without_the_model(tmp, q, r):
+    return bench, ["sampler", "--workload", "real", "--data-dir", str(tmp)]
+
+
 GOOD = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
 CASES = [
     ("model folder without config.json", _no_config, r"error: .*/m: no config\.json"),
@@ -162,6 +175,11 @@ CASES = [
      r"error: .*run/config\.yaml: invalid value 1 for config key 'rl\.group_size'"),
     ("evaluate --model not a model folder", _evaluate_not_a_model,
      r"error: --model .*: no config\.json"),
+    ("sft: unknown config key", _sft_unknown_key,
+     r"error: unknown config key 'task\.toy\.no_such_key'"),
+    ("aot: unknown topology", _aot_unknown_topology, r"error: unknown topology 'v9-nope'"),
+    ("bench: the real workload without its model", _bench_without_the_model,
+     r"error: (the real workload needs SmolLM2-135M-Instruct|.*eval/gsm8k/test\.jsonl)"),
 ]
 
 
