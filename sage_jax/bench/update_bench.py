@@ -125,7 +125,7 @@ def run(args) -> None:
                  advantages_N=rng.standard_normal(rows).astype(np.float32))
     if cfg.rl.padding_free:
         batch = update.pack_batch(batch, cfg)
-    slots = batch["loss_mask_NxL"].size
+    slots = loss_mask.size
     if cfg.rl.padding_free:  # the micro-batches the update computes (the others are skipped)
         m, u, r = update.layout(rows, cfg.rl)
         used = batch["loss_mask_SxL"].reshape(r, m * u, -1).any(axis=(0, 2))

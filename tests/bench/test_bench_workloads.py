@@ -107,3 +107,17 @@ def test_the_sampler_benchmark_prints_one_json_record(tmp_path):
     assert rec["batch"] == 16 * 8 and rec["new_tokens_per_seq"] == 128
     assert rec["tokens_per_s"] == pytest.approx(128 * 128 / rec["median_s"], rel=1e-3)
     assert len(rec["times_s"]) == 3 and rec["host_syncs"] >= 1 and rec["peak_rss_mb"] > 0
+
+
+@pytest.mark.slow
+def test_the_update_benchmark_prints_one_json_record(tmp_path):
+    env = dict(os.environ, PEERS_QUIET_WAIT_S="0", PEERS_MAX_RETRIES="0")
+    env.pop("XLA_FLAGS", None)
+    got = subprocess.run([sys.executable, "-m", "sage_jax.bench", "update", "--workload", "tiny",
+                          "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert got.returncode == 0, got.stderr[-3000:]
+    rec = json.loads(got.stdout.strip().splitlines()[-1])
+    assert rec["peer"] == "sage_jax-update" and rec["workload"] == "tiny" and rec["padding_free"]
+    assert rec["real_tokens"] > 0 and 0 <= rec["padding_share"] < 1
+    assert rec["tokens_per_s"] > 0 and rec["peak_rss_mb"] > 0
