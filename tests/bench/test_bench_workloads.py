@@ -94,15 +94,20 @@ def test_a_contended_sitting_is_retimed_and_flagged(monkeypatch):
     assert timing.retries == 1 and timing.contended and len(timing.times_s) == 2
 
 
-@pytest.mark.slow
-def test_the_sampler_benchmark_prints_one_json_record(tmp_path):
+def _bench_record(tmp_path, what: str) -> dict:
+    """The JSON record of `python -m sage_jax.bench <what> --workload tiny --json`."""
     env = dict(os.environ, PEERS_QUIET_WAIT_S="0", PEERS_MAX_RETRIES="0")
     env.pop("XLA_FLAGS", None)
-    got = subprocess.run([sys.executable, "-m", "sage_jax.bench", "sampler", "--workload", "tiny",
+    got = subprocess.run([sys.executable, "-m", "sage_jax.bench", what, "--workload", "tiny",
                           "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=900)
     assert got.returncode == 0, got.stderr[-3000:]
-    rec = json.loads(got.stdout.strip().splitlines()[-1])
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_sampler_benchmark_prints_one_json_record(tmp_path):
+    rec = _bench_record(tmp_path, "sampler")
     assert rec["peer"] == "sage_jax" and rec["workload"] == "tiny"
     assert rec["batch"] == 16 * 8 and rec["new_tokens_per_seq"] == 128
     assert rec["tokens_per_s"] == pytest.approx(128 * 128 / rec["median_s"], rel=1e-3)
@@ -111,13 +116,7 @@ def test_the_sampler_benchmark_prints_one_json_record(tmp_path):
 
 @pytest.mark.slow
 def test_the_update_benchmark_prints_one_json_record(tmp_path):
-    env = dict(os.environ, PEERS_QUIET_WAIT_S="0", PEERS_MAX_RETRIES="0")
-    env.pop("XLA_FLAGS", None)
-    got = subprocess.run([sys.executable, "-m", "sage_jax.bench", "update", "--workload", "tiny",
-                          "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert got.returncode == 0, got.stderr[-3000:]
-    rec = json.loads(got.stdout.strip().splitlines()[-1])
+    rec = _bench_record(tmp_path, "update")
     assert rec["peer"] == "sage_jax-update" and rec["workload"] == "tiny" and rec["padding_free"]
     assert rec["real_tokens"] > 0 and 0 <= rec["padding_share"] < 1
     assert rec["tokens_per_s"] > 0 and rec["peak_rss_mb"] > 0
