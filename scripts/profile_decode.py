@@ -104,8 +104,8 @@ def profile(model, r: int, p: int, s: int) -> dict:
 
     def step(tok, params, prompt_kv, gen_kv):
         m = nnx.merge(graphdef, params)
-        logits, _ = decode._step(m, tok, jnp.full((r,), p, jnp.int32), s // 2, prompt_kv, mask,
-                                 gen_kv, 1)
+        logits, _ = decode._step(m, tok, jnp.full((r,), p, jnp.int32),
+                                 jnp.full((r,), s // 2, jnp.int32), prompt_kv, mask, gen_kv, 1)
         return jnp.argmax(jax.nn.log_softmax(logits), -1).astype(jnp.int32)
 
     def matmuls(x, params):
@@ -125,7 +125,7 @@ def profile(model, r: int, p: int, s: int) -> dict:
 
     def attention(x, prompt_kv, gen_kv):
         at = model.layers[0].self_attn
-        valid = jnp.arange(s) < s // 2
+        valid = jnp.broadcast_to(jnp.arange(s) < s // 2, (r, s))
         q = jnp.tile(x, (1, -(-nh * h // x.shape[1])))[:, :nh * h]  # [R, N*H] queries
         new = (q[:, :kh * h].reshape(r, kh, 1, h), q[:, :kh * h].reshape(r, kh, 1, h))
         out = q

@@ -8,7 +8,8 @@ warm-up call includes compilation; compile time is reported separately as "compi
 * Synthetic workloads (`small`, `tiny`): num_prompts x samples_per_prompt rows of random
   prompt ids, exactly max_new_tokens new tokens (no EOS id is given, so no row stops early).
 * `real`: SmolLM2-135M-Instruct on GSM8K chat prompts, greedy, stopping at EOS
-  (`bench.real`); tokens/s counts useful tokens (each row's tokens up to and including its EOS),
+  (`bench.real`); `real_rl`: 8 sampled answers a prompt, at most `slots` rows at once
+  (continuous batching, `sample(max_rows=...)`); tokens/s counts useful tokens (each row's tokens up to and including its EOS),
   `lengths_sha1` identifies the outputs (the peers print the same), and `decode_waste` is the
   share of the decode programs' row-steps spent on padding or finished rows.
 
@@ -72,7 +73,8 @@ def run(args):
 
     def call(i):
         out = sampling.sample(graphdef, params, prompts, mask, key=jax.random.PRNGKey(i),
-                              num_samples=g, max_new_tokens=new, eos_ids=eos, pad_id=0, **knobs)
+                              num_samples=g, max_new_tokens=new, eos_ids=eos, pad_id=0,
+                              max_rows=s.get("slots"), **knobs)
         check(out)
         extra["host_syncs"] = out.host_syncs
         return out

@@ -8,7 +8,8 @@ Synthetic workloads: num_prompts x samples_per_prompt rows of prompt_len random 
 never drawn: it is the pad id), exactly max_new_tokens new tokens per row (no EOS), temperature
 1. `real`: SmolLM2-135M-Instruct (a Hugging Face folder, $SMOL_HF) greedy on the chat-templated
 first num_prompts questions of GSM8K's test split, stopping at EOS; the metric is useful tokens
-(each row's tokens up to its EOS) per second, and `lengths_sha1` names the outputs.
+(each row's tokens up to its EOS) per second, and `lengths_sha1` names the outputs. `real_rl`:
+the same prompts, 8 answers each at temperature 1, at most `slots` rows decoding at once.
 
 This module needs only numpy, so that a peer's script (`scripts/vllm_real_generate.py`, in vLLM's
 own venv) reads the same workloads, prompts and hash.
@@ -54,6 +55,10 @@ WORKLOADS: dict[str, dict] = {
         "timing": dict(warmup_calls=1, timed_calls=2, seed=0),
     },
 }
+# The real model on an RL-shaped rollout: 32 prompts x 8 sampled answers, more rows than the 64
+# decode slots an engine holds at once (ours: `sample(max_rows=slots)`; vLLM: max_num_seqs).
+WORKLOADS["real_rl"] = copy.deepcopy(WORKLOADS["real"])
+WORKLOADS["real_rl"]["sampling"].update(samples_per_prompt=8, temperature=1.0, slots=64)
 
 
 def load_workload(name: str) -> dict:

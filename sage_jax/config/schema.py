@@ -118,9 +118,9 @@ class RLConfig(Section):
     minibatches: int = 2  # Optimiser updates per training step (the batch is split this way).
     # Sequences per gradient-accumulation pass; a smaller mini-batch is one pass; None = all.
     micro_batch_size: int | None = None
-    # Answer rows the sampler decodes at once: a call's prompts are sampled in chunks of
-    # rollout_micro_batch_size // answers-per-prompt (whole groups; the same answers, as each
-    # row's randomness is its prompt's and its own), so the KV cache is that many rows; None = all.
+    # Answer rows the sampler decodes at once (its KV cache's rows): a call with more rows
+    # batches continuously, a finished row's slot taking the next pending prompt's rows (the
+    # same answers, as each row's randomness is its prompt's and its own); None = all at once.
     rollout_micro_batch_size: int | None = None
     epochs_per_batch: int = 1  # Passes over each step's rollouts.
     # The update packs whole rows end to end into its sequences (same loss and gradients,

@@ -316,7 +316,7 @@ def sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCon
     progs = _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, prompts=prompts,
                               group=group, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                               temperature=temperature, optimizer_bytes=optimizer_bytes,
-                              all_buckets=all_buckets)
+                              all_buckets=all_buckets, continuous=passes > 1)
     for q in progs:
         q.calls *= passes
     return progs
@@ -325,7 +325,10 @@ def sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCon
 def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderConfig,
                       cfg: Config, mesh: Mesh, *, prompts: int, group: int, prompt_len: int,
                       max_new_tokens: int, temperature: float, optimizer_bytes: int,
-                      all_buckets: bool) -> list[Program]:
+                      all_buckets: bool, continuous: bool = False) -> list[Program]:
+    """`sampler_programs`; `continuous`: the call has more rows than `prompts` * `group` and
+    batches continuously (`sampling.sample(max_rows=...)`): its decode state holds one row per
+    group from the start, each with its prompt's keys/values."""
     fine = sampling.fine_buckets(model_cfg.num_params())
     b, p = sampling.batch_bucket(prompts), sampling.prompt_bucket(prompt_len, fine=fine)
     st = sampling._Static(num_samples=group, max_new_tokens=max_new_tokens,
@@ -354,9 +357,10 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
     slots = sorted(steps)
     shards = parallel.row_shards(mesh)
     r0 = b * group
+    g0 = 1 if continuous else group  # rows per group in the first decode state
     smaller = sorted({sampling.row_bucket(n, shards, fine=fine) for n in range(1, r0)} - {r0})
     smaller = [r for r in smaller if r < r0]
-    pairs = [(r0, group, s) for s in (slots if all_buckets else sorted({slots[0], slots[-1]}))]
+    pairs = [(r0, g0, s) for s in (slots if all_buckets else sorted({slots[0], slots[-1]}))]
     if smaller:
         pairs += [(r, 1, s) for r in (smaller if all_buckets else smaller[-1:])
                   for s in (slots if all_buckets else slots[-1:])]
@@ -365,20 +369,19 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
         state = decode_state(model_cfg, rlay, r // g, g, p, s, dtype)
         prog = compile_one(f"{prefix}/decode@{r}x{s}",
                            sampling._jitted("segment", graphdef, st, rlay),
-                           (params, state, _abstract((), jnp.int32, placement.replicated(rlay)),
-                            _abstract((), jnp.int32, placement.replicated(rlay))),
+                           (params, state, _abstract((), jnp.int32, placement.replicated(rlay))),
                            resident=optimizer_bytes, calls=0.0)
         prog.bytes_per_call = prog.argument  # one step reads every weight and cache slot once
         progs.append(prog)
     _decode_calls([q for q in progs if f"/decode@{r0}x" in q.name], steps)
     # Regrouping, one layer at a time, the other layers' caches resident.
     last, half = slots[-1], (slots[-2] if len(slots) > 1 else None)
-    whole = device_bytes(decode_state(model_cfg, lay, b, group, p, last, dtype))
+    whole = device_bytes(decode_state(model_cfg, lay, r0 // g0, g0, p, last, dtype))
     per_layer = whole // model_cfg.num_layers
     regroup_resident = optimizer_bytes + whole - per_layer
     layer_in = lambda state: (state.gen_k[0], state.gen_v[0])  # noqa: E731
     if half:
-        old = decode_state(model_cfg, lay, b, group, p, half, dtype)
+        old = decode_state(model_cfg, lay, r0 // g0, g0, p, half, dtype)
         progs.append(compile_one(f"{prefix}/grow@{last}",
                                  sampling._jitted("regroup", None, None, lay, last),
                                  layer_in(old), resident=regroup_resident,
@@ -386,7 +389,7 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
     if smaller:
         r1 = smaller[-1]
         rlay = placement.layout(mesh, model_cfg.num_kv_heads, r1)
-        old = decode_state(model_cfg, lay, b, group, p, last, dtype)
+        old = decode_state(model_cfg, lay, r0 // g0, g0, p, last, dtype)
         index = _abstract((r1,), jnp.int32, placement.replicated(rlay))
         progs.append(compile_one(
             f"{prefix}/drop@{r1}", sampling._jitted("regroup", None, None, rlay, last),

@@ -84,30 +84,30 @@ class DecodeState(flax.struct.PyTreeNode):
 
 # ---- one decode step through the model's layers -----------------------------------------------
 
-def _attend(attn, q_RxN, prompt_kv, prompt_mask_BxP, gen_kv, gen_valid_S, new_kv, g):
+def _attend(attn, queries, prompt_kv, prompt_mask_BxP, gen_kv, gen_valid_RxS, new_kv, g):
     """Attention of one new token per row over its prompt, its earlier generated tokens and
-    itself.
+    itself; `queries` [R, Q*H] (each row's query heads, flattened).
 
     The prompt's keys/values are read once for the G rows that share them: k [B, K, H, P], v
     [B, K, P, H]. Earlier generated ones are per row: k [B, K, G, H, S], v [B, K, G, S, H]
-    (`gen_valid_S` marks the slots written before this step); the new token's own k, v are
+    (`gen_valid_RxS` marks each row's slots written before this step); the new token's own k, v are
     [B, K, G, H]. Reading the cache before this step's write lets XLA update it in place (a
     read of the updated cache makes it copy the whole cache every step). Mirrors
     `decoder.Attention`: scaling, masking with its finite minus infinity, float32 softmax.
     """
-    r = q_RxN.shape[0]
+    r = queries.shape[0]
     b, kh, h = r // g, attn.k, attn.h
     gq = attn.n // kh
-    cd = q_RxN.dtype
+    cd = queries.dtype
     (pk, pv), (gk, gv), (nk, nv) = prompt_kv, gen_kv, new_kv
-    q = q_RxN.reshape(b, g, kh, gq, h).transpose(0, 2, 1, 3, 4)  # [B, K, G, Gq, H]
+    q = queries.reshape(b, g, kh, gq, h).transpose(0, 2, 1, 3, 4)  # [B, K, G, Gq, H]
     scale = 1.0 / math.sqrt(h)
     s_p = jnp.einsum("bkgqh,bkhs->bkgqs", q, pk.astype(cd),
                      preferred_element_type=jnp.float32) * scale
     s_p = jnp.where(prompt_mask_BxP[:, None, None, None, :], s_p, _NEG)
     s_g = jnp.einsum("bkgqh,bkghs->bkgqs", q, gk.astype(cd),
                      preferred_element_type=jnp.float32) * scale
-    s_g = jnp.where(gen_valid_S, s_g, _NEG)
+    s_g = jnp.where(gen_valid_RxS.reshape(b, 1, g, 1, -1), s_g, _NEG)
     s_n = jnp.einsum("bkgqh,bkgh->bkgq", q, nk.astype(cd),
                      preferred_element_type=jnp.float32)[..., None] * scale
     # softmax over [prompt slots, generated slots, itself] without concatenating them
@@ -122,15 +122,19 @@ def _attend(attn, q_RxN, prompt_kv, prompt_mask_BxP, gen_kv, gen_valid_S, new_kv
     return o.transpose(0, 2, 1, 3, 4).reshape(r, attn.n * h)
 
 
-def _step(model, tok_R, pos_R, slot, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=None):
-    """Feeds one token per row at positions pos_R; writes its K/V at generated slot `slot`.
+def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=None):
+    """Feeds one token per row at positions pos_R; writes row r's K/V at its generated slot
+    slot_R[r] (rows may be at different steps; a slot outside the cache is not written).
 
     Returns (float32 logits [R, V], updated generated-token cache)."""
     inv_freq = rope_inv_freq(model.cfg)
-    gen_valid_S = jnp.arange(gen_kv[0][1].shape[3]) < slot
+    s = gen_kv[0][1].shape[3]
+    gen_valid_RxS = jnp.arange(s)[None, :] < slot_R[:, None]
     x = placement.on(lay, model.embed_tokens[...][tok_R].astype(model.compute_dtype))
     r = x.shape[0]
     b = r // g
+    b_R, g_R = jnp.arange(r) // g, jnp.arange(r) % g
+    at_R = jnp.where((slot_R >= 0) & (slot_R < s), slot_R, s)  # s: dropped
     new_gen = []
     for layer, pkv, (gk, gv) in zip(model.layers, prompt_kv, gen_kv):
         attn = layer.self_attn
@@ -143,15 +147,14 @@ def _step(model, tok_R, pos_R, slot, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=
         q = apply_rope(q, pos_R[:, None], inv_freq).reshape(r, attn.n * attn.h)
         k = apply_rope(k, pos_R[:, None], inv_freq).reshape(b, g, attn.k, attn.h)
         k = k.transpose(0, 2, 1, 3)  # [B, K, G, H]
-        a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_S, (k, v), g)
+        a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_RxS, (k, v), g)
         # The cache is written after it is read, and XLA must know it to write in place (else
         # it copies the whole cache every step): a zero that depends on the row's attention
         # output orders the write after the reads.
-        after = (0.0 * a[:, :1]).reshape(b, 1, g, 1)
-        gk = jax.lax.dynamic_update_slice(gk, (k + after)[..., None].astype(gk.dtype),
-                                          (0, 0, 0, 0, slot))
-        gv = jax.lax.dynamic_update_slice(gv, (v + after)[:, :, :, None].astype(gv.dtype),
-                                          (0, 0, 0, slot, 0))
+        after = 0.0 * a[:, :1, None]  # [R, 1, 1]
+        row = lambda x: x.transpose(0, 2, 1, 3).reshape(r, attn.k, attn.h)  # noqa: E731
+        gk = gk.at[b_R, :, g_R, :, at_R].set((row(k) + after).astype(gk.dtype), mode="drop")
+        gv = gv.at[b_R, :, g_R, at_R, :].set((row(v) + after).astype(gv.dtype), mode="drop")
         new_gen.append((gk, gv))
         x = x + attn.o_proj(a)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -214,29 +217,22 @@ def start(st, lay, cap: int, prompt_k, prompt_v, mask_BxP, logits_BxV, key, prom
                          kv_dim=1)
     gen_v = placement.on(lay, tuple(jnp.zeros((b, kh, g, cap, h), dtype) for _ in prompt_k),
                          kv_dim=1)
-    pid_R = jnp.repeat(prompt_ids_B.astype(jnp.int32), g)
-    sid_R = jnp.tile(jnp.arange(g, dtype=jnp.int32), b)
-    keys_R = jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(key, p), s))(pid_R,
-                                                                                        sid_R)
-    keys_R, valid_R = placement.on(lay, (keys_R, jnp.repeat(valid_B, g)))
-    tok, logp = select(placement.on(lay, jnp.repeat(logits_BxV, g, axis=0)), keys_R, 0, st)
-    mask_BxP = mask_BxP.astype(bool)
-    pos0_R = jnp.repeat(jnp.sum(mask_BxP, axis=1, dtype=jnp.int32), g)
-    state = DecodeState(
-        prompt_k=prompt_k, prompt_v=prompt_v, prompt_mask_BxP=mask_BxP,
-        gen_k=gen_k, gen_v=gen_v, pos0_R=pos0_R, keys_R=keys_R, last_R=tok,
-        done_R=~valid_R | is_eos(tok, st.eos_ids), lengths_R=valid_R.astype(jnp.int32))
-    tok, logp = placement.on(lay, (jnp.where(valid_R, tok, st.pad_id),
-                                   jnp.where(valid_R, logp, 0.0)))
-    return state, tok, logp
+    fields, tok, logp = _first_rows(st, g, mask_BxP, placement.on(lay, logits_BxV), key,
+                                    prompt_ids_B, valid_B)
+    state = DecodeState(prompt_k=prompt_k, prompt_v=prompt_v,
+                        prompt_mask_BxP=mask_BxP.astype(bool), gen_k=gen_k, gen_v=gen_v,
+                        **placement.on(lay, fields))
+    return state, *placement.on(lay, (tok, logp))
 
 
-def segment(graphdef, st, lay, params, state: DecodeState, t0, stop_live):
-    """Decodes steps t0, t0+1, ... until the cache is full (step t feeds token t-1 at position
-    pos0 + t - 1 and writes generated slot t - 1, so the last step has t = S), t reaches
-    max_new_tokens, every row has finished, or at most `stop_live` rows still run (-1: never).
-    Returns (state, tokens [R, S] (column i: step t0 + i; `pad_id` where a row had finished or
-    the step did not run), log-probs [R, S] (0 there), steps run n)."""
+def segment(graphdef, st, lay, params, state: DecodeState, stop_live):
+    """Decodes until a running row's cache is full (a row with n tokens feeds token n-1 at
+    position pos0 + n - 1 and writes generated slot n - 1, so the last step has n = S), every
+    row has finished (EOS or max_new_tokens), or at most `stop_live` rows still run (-1:
+    never). Rows may be at different steps (continuous batching): each draws for its own step.
+    Returns (state, tokens [R, S] (column i: the row's token of the segment's step i; `pad_id`
+    where the row had finished or the step did not run), log-probs [R, S] (0 there), steps
+    run n)."""
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, placement.sampler_params(params, lay, _compute_dtype(graphdef,
                                                                                    params)))
@@ -244,22 +240,20 @@ def segment(graphdef, st, lay, params, state: DecodeState, t0, stop_live):
     prompt_kv = tuple(zip(state.prompt_k, state.prompt_v))
 
     def cond(c):
-        i, _, _, _, _, _, done = c
-        t = t0 + i
-        return ((t <= s) & (t < st.max_new_tokens)
-                & (jnp.sum(~done, dtype=jnp.int32) > jnp.maximum(stop_live, 0)))
+        _, _, _, _, lengths, _, done = c
+        longest = jnp.max(jnp.where(done, 0, lengths))
+        return (longest <= s) & (jnp.sum(~done, dtype=jnp.int32) > jnp.maximum(stop_live, 0))
 
     def body(c):
         i, gen_kv, toks, logps, lengths, last, done = c
-        t = t0 + i
-        logits, gen_kv = _step(model, last, state.pos0_R + t - 1, t - 1, prompt_kv,
+        logits, gen_kv = _step(model, last, state.pos0_R + lengths - 1, lengths - 1, prompt_kv,
                                state.prompt_mask_BxP, gen_kv, g, lay)
-        tok, logp = select(logits, state.keys_R, t, st)
+        tok, logp = select(logits, state.keys_R, lengths, st)
         live = ~done
         toks = jax.lax.dynamic_update_slice(toks, jnp.where(live, tok, pad)[:, None], (0, i))
         logps = jax.lax.dynamic_update_slice(logps, jnp.where(live, logp, 0.0)[:, None], (0, i))
         lengths = lengths + live.astype(jnp.int32)
-        done = done | is_eos(tok, st.eos_ids)
+        done = done | is_eos(tok, st.eos_ids) | (lengths >= st.max_new_tokens)
         return (i + 1, gen_kv, *placement.on(lay, (toks, logps, lengths, tok, done)))
 
     toks = placement.on(lay, jnp.full((r, s), pad, jnp.int32))
@@ -270,6 +264,66 @@ def segment(graphdef, st, lay, params, state: DecodeState, t0, stop_live):
     state = state.replace(gen_k=tuple(k for k, _ in gen_kv), gen_v=tuple(v for _, v in gen_kv),
                           lengths_R=lengths, last_R=last, done_R=done)
     return state, toks, logps, n
+
+
+def empty(lay, cap: int, rows: int, prompt_k, prompt_v) -> DecodeState:
+    """A state of `rows` free slots (finished, no tokens), one row per group, for prompts of
+    `prompt_k`'s / `prompt_v`'s shapes and dtype (only their shapes are read) and a `cap`-slot
+    generated cache: what continuous batching admits prompts into."""
+    TRACE_COUNTS["start"] += 1
+    _, kh, h, p = prompt_k[0].shape
+    dtype = prompt_k[0].dtype
+    zeros = lambda *shape: tuple(jnp.zeros(shape, dtype) for _ in prompt_k)  # noqa: E731
+    pk, pv = placement.on(lay, (zeros(rows, kh, h, p), zeros(rows, kh, p, h)), kv_dim=1)
+    gk, gv = placement.on(lay, (zeros(rows, kh, 1, h, cap), zeros(rows, kh, 1, cap, h)),
+                          kv_dim=1)
+    i32 = jnp.zeros((rows,), jnp.int32)
+    return DecodeState(
+        prompt_k=pk, prompt_v=pv, gen_k=gk, gen_v=gv,
+        prompt_mask_BxP=placement.on(lay, jnp.zeros((rows, p), bool)),
+        pos0_R=placement.on(lay, i32), keys_R=placement.on(lay, jax.random.split(
+            jax.random.PRNGKey(0), rows)), last_R=placement.on(lay, i32),
+        done_R=placement.on(lay, jnp.ones((rows,), bool)), lengths_R=placement.on(lay, i32))
+
+
+def _first_rows(st, g: int, prompt_mask_BxP, logits_BxV, key, prompt_ids_B, valid_B):
+    """The per-row fields of G rows for each of B prompts (row b*G + g) and their first tokens:
+    (fields of `ROW_FIELDS` but the prompt mask, first tokens [R], their log-probs [R]); row
+    (b, g) draws from fold_in(fold_in(key, prompt_ids_B[b]), g)."""
+    b = logits_BxV.shape[0]
+    pid_R = jnp.repeat(prompt_ids_B.astype(jnp.int32), g)
+    sid_R = jnp.tile(jnp.arange(g, dtype=jnp.int32), b)
+    keys_R = jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(key, p), s))(pid_R,
+                                                                                        sid_R)
+    valid_R = jnp.repeat(valid_B, g)
+    tok, logp = select(jnp.repeat(logits_BxV, g, axis=0), keys_R, 0, st)
+    pos0_R = jnp.repeat(jnp.sum(prompt_mask_BxP.astype(bool), axis=1, dtype=jnp.int32), g)
+    fields = dict(pos0_R=pos0_R, keys_R=keys_R, last_R=tok,
+                  done_R=~valid_R | is_eos(tok, st.eos_ids) | (st.max_new_tokens <= 1),
+                  lengths_R=valid_R.astype(jnp.int32))
+    return (fields, jnp.where(valid_R, tok, st.pad_id), jnp.where(valid_R, logp, 0.0))
+
+
+def admit(st, lay, g: int, state: DecodeState, prompt_k, prompt_v, mask_BxP, logits_BxV, key,
+          prompt_ids_B, valid_B, slot_R):
+    """`state` with G rows of each of B newly prefilled prompts written into the free slots
+    slot_R [B*G] (row b*G + g into slot_R[b*G + g]; an index >= the state's rows: not
+    admitted, e.g. a padding prompt), each row's first token drawn as `start` draws it.
+    Returns (state, first tokens [B*G], their log-probs [B*G])."""
+    TRACE_COUNTS["start"] += 1
+    fields, tok, logp = _first_rows(st, g, mask_BxP, logits_BxV, key, prompt_ids_B, valid_B)
+    b_R = jnp.repeat(jnp.arange(logits_BxV.shape[0]), g)
+    put = lambda old, new: old.at[slot_R].set(new.astype(old.dtype), mode="drop")  # noqa: E731
+    state = state.replace(
+        prompt_k=tuple(put(o, n[b_R]) for o, n in zip(state.prompt_k, prompt_k)),
+        prompt_v=tuple(put(o, n[b_R]) for o, n in zip(state.prompt_v, prompt_v)),
+        prompt_mask_BxP=put(state.prompt_mask_BxP, mask_BxP[b_R]),
+        **{k: put(getattr(state, k), v) for k, v in fields.items()})
+    state = state.replace(
+        prompt_k=placement.on(lay, state.prompt_k, kv_dim=1),
+        prompt_v=placement.on(lay, state.prompt_v, kv_dim=1),
+        **{k: placement.on(lay, getattr(state, k)) for k in ROW_FIELDS})
+    return state, tok, logp
 
 
 def regroup_layer(lay, cap: int, gen_k, gen_v, prompt_k=None, prompt_v=None, index_R=None):

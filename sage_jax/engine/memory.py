@@ -166,16 +166,18 @@ def tree_bytes(tree, mesh, itemsize: int | None = None, rules=parallel.PARTITION
 
 
 def kv_cache_bytes(cfg: models.DecoderConfig, mesh, *, prompts: int, group_size: int,
-                   prompt_len: int, max_new_tokens: int, dtype) -> tuple[int, int]:
+                   prompt_len: int, max_new_tokens: int, dtype,
+                   continuous: bool = False) -> tuple[int, int]:
     """(cache bytes, largest transient) of `sampling.sample` for `prompts` prompts; see
-    `Estimate.kv_cache` and `Estimate.sampler_work`."""
+    `Estimate.kv_cache` and `Estimate.sampler_work`. `continuous`: a call of more rows that
+    batches continuously in `prompts` * `group_size` slots, each row with its prompt's copy."""
     b = sampling.batch_bucket(prompts)
     fine = sampling.fine_buckets(cfg.num_params())
     p, s = sampling.prompt_bucket(prompt_len, fine=fine), sampling.gen_slots(max_new_tokens)
     shards = _row_shards(mesh)
     rows, k = _split(b, shards), _split(cfg.num_kv_heads, mesh.shape["tensor"])
     kv_row = 2 * k * cfg.head_dim * _itemsize(dtype)  # k and v of one slot, one layer
-    prompt = cfg.num_layers * rows * p * kv_row
+    prompt = cfg.num_layers * rows * (group_size if continuous else 1) * p * kv_row
     cache = prompt + cfg.num_layers * rows * group_size * s * kv_row + rows * p  # + mask
     logits = LOGIT_COPIES * rows * group_size * cfg.vocab_size * F32  # rows split, V whole
     chunk = decode.prefill_rows(cfg, b, p)  # prompts per prefill chunk (global)
@@ -294,7 +296,9 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
     kv, work = kv_cache_bytes(model_cfg, mesh,
                               prompts=sample_prompts or rows_per_step // group_size,
                               group_size=group_size, prompt_len=prompt_len,
-                              max_new_tokens=max_new_tokens, dtype=param_dtype)
+                              max_new_tokens=max_new_tokens, dtype=param_dtype,
+                              continuous=bool(sample_prompts)
+                              and sample_prompts < rows_per_step // group_size)
     terms = activation_terms(
         model_cfg, mesh, rows_per_step=rows_per_step,
         micro_batch_rows=micro_batch_rows or rows_per_step // minibatches,

@@ -35,6 +35,12 @@ How a call runs (the device programs are in `decode`):
    read: the old and the new cache never both live whole. Decoding ends when every row has
    emitted an EOS id or T tokens. Programs are cached per shape: a run compiles one segment
    program per (prompt bucket, row bucket, cache size) it meets.
+4. Continuous batching (`max_rows`, when B*G is larger): the decode state holds `max_rows`
+   slots, one row per group, each with its prompt's keys/values. The first prompts fill the
+   slots; whenever a quarter of the slots (or what the pending prompts need) have finished, the
+   next prompts are prefilled (`admit_bucket` of them at once) and their rows take the free
+   slots while the others keep decoding, each row at its own step. With no prompt pending,
+   step 3's regrouping takes over.
 
 Sampling knobs (`select`): `temperature`, `top_p`, `top_k` and `eos_ids` are *static* (part of
 the compiled program's key; a run uses two or three settings -- training 1.0/1.0/0, evaluation
@@ -63,6 +69,7 @@ placed or constrained. With several processes every process gets the whole outpu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -230,7 +237,7 @@ _JITTED_UNHASHABLE: list = []  # [(key, jitted)] for graphdefs that cannot be ha
 
 
 def _jitted(kind: str, graphdef, st: _Static | None, lay: placement.Layout | None,
-            extra: int | None = None):
+            extra=None):
     """A jitted program of `decode`, built once per (kind, model definition, static config,
     mesh layout, extra static argument) and cached; jit then keeps one executable per shape. A
     graphdef whose config holds a dict (e.g. llama3 `rope_scaling`) is unhashable: found by
@@ -252,6 +259,12 @@ def _jitted(kind: str, graphdef, st: _Static | None, lay: placement.Layout | Non
         fn = jax.jit(functools.partial(decode.start, st, lay, extra), donate_argnums=(0, 1))
     elif kind == "segment":
         fn = jax.jit(functools.partial(decode.segment, graphdef, st, lay), donate_argnums=(1,))
+    elif kind == "empty":
+        assert extra is not None, "empty takes (cache size, rows)"
+        fn = jax.jit(functools.partial(decode.empty, lay, *extra))
+    elif kind == "admit":
+        assert extra is not None, "admit takes the rows per prompt"
+        fn = jax.jit(functools.partial(decode.admit, st, lay, extra), donate_argnums=(0,))
     elif kind == "regroup":
         assert extra is not None, "regroup takes the new cache size"
         fn = jax.jit(functools.partial(decode.regroup_layer, lay, extra))
@@ -320,7 +333,8 @@ def _check_left_padded(mask: np.ndarray):
 def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: int = 1,
            max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
            eos_ids: Sequence[int] | int | None = (), prompt_ids_B=None,
-           pad_id: int = 0, mesh: Mesh | None = None) -> SampleOutput:
+           pad_id: int = 0, mesh: Mesh | None = None,
+           max_rows: int | None = None) -> SampleOutput:
     """Samples `num_samples` continuations of each of B left-padded prompts.
 
     Args:
@@ -337,6 +351,9 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
       pad_id: the token written after a row's end (and used to pad prompts).
       mesh: the ("data", "fsdp", "tensor") mesh that `params` live on (e.g. the trainer's): rows
         and caches are placed on it as the module docstring says. None: no placement.
+      max_rows: decode at most this many rows at once (rounded up to the mesh's row shards;
+        at least G). With more rows (B*G) the call batches continuously: a finished row's slot
+        takes the next pending prompt's rows; the tokens stay the same. None: all at once.
 
     All of num_samples, max_new_tokens, temperature, top_p, top_k, eos_ids and pad_id are static:
     each distinct combination compiles its own programs (cached for the life of the process).
@@ -347,6 +364,9 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     """
     top_k = 0 if top_k is None else top_k
     _check_knobs(temperature, top_p, top_k, num_samples, max_new_tokens)
+    if max_rows is not None and (int(max_rows) != max_rows or max_rows < num_samples):
+        raise ValueError(f"max_rows must be an integer >= num_samples ({num_samples}), "
+                         f"got {max_rows}")
     if prompt_BxP.ndim != 2 or tuple(prompt_mask_BxP.shape) != tuple(prompt_BxP.shape):
         raise ValueError(f"prompt_BxP {tuple(prompt_BxP.shape)} and prompt_mask_BxP "
                          f"{tuple(prompt_mask_BxP.shape)} must both be [B, P]")
@@ -376,6 +396,11 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     valid = np.arange(bb) < b
 
     model = nnx.merge(graphdef, params)  # cheap: only to read the config
+    shards = 1 if mesh is None else parallel.row_shards(mesh)
+    slots = None if max_rows is None else -(-int(max_rows) // shards) * shards
+    if slots is not None and b * st.num_samples > slots:
+        return _continuous(graphdef, params, st, mesh, slots, tokens[:b], mask[:b], ids[:b], key,
+                           model.cfg.num_kv_heads, fine)
     lay = placement.layout(mesh, model.cfg.num_kv_heads, bb)
     if lay is not None:  # every input placed where the programs keep it (no later reshard)
         tokens, mask, ids, valid = (_put(x, lay, rows=True) for x in (tokens, mask, ids, valid))
@@ -385,54 +410,164 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     state, tok0, logp0 = _jitted("start", None, st, lay, cap)(prompt_k, prompt_v, mask, logits,
                                                                key, ids, valid)
     del prompt_k, prompt_v
-    out = _decode_segments(graphdef, params, st, mesh, lay, state, tok0, logp0, fine)
+    run = _Decoding(st, mesh, fine, state.rows)
+    run.first(np.arange(state.rows), *distributed.fetch(
+        (tok0, logp0, state.lengths_R, state.done_R)))
+    out = run.finish(run.decode(graphdef, params, lay, state))
     if bb != b:
         out = jax.tree.map(lambda x: x[:b], out)
     return out
 
 
-def _decode_segments(graphdef, params, st: _Static, mesh, lay, state, tok0_R, logp0_R,
-                     fine: bool):
-    """Runs decode segments until every row has finished or T tokens; between segments moves
-    the running rows into a smaller row bucket or grows the generated-token cache. `lay`: the
-    placement of `state` (from `start`); `fine`: the 1.5x row buckets too (`fine_buckets`).
-    Returns the SampleOutput ([B, G, T] host arrays)."""
-    t_max, g = st.max_new_tokens, st.num_samples
-    r0 = state.rows
-    shards = 1 if mesh is None else parallel.row_shards(mesh)
-    tokens = np.full((r0, t_max), st.pad_id, np.int32)
-    logps = np.zeros((r0, t_max), np.float32)
-    tokens[:, 0], logps[:, 0], lengths, done = distributed.fetch(
-        (tok0_R, logp0_R, state.lengths_R, state.done_R))
-    lengths = np.array(lengths)
-    row_ids = np.arange(r0)  # output row of each state row (-1: a padding row)
-    t, row_steps, syncs = 1, 0, 1
-    while t < t_max and not done.all():
-        live = np.flatnonzero(~done)
-        rows = row_bucket(live.size, shards, fine=fine)
-        cap = slots_for(t, state.slots, t_max)
-        if rows < state.rows:  # the running rows fit a smaller bucket: gather them
-            index = np.concatenate([live, np.full(rows - live.size, live[0])]).astype(np.int32)
-            keep = np.arange(rows) < live.size
-            lay = placement.layout(mesh, state.prompt_k[0].shape[1], rows)
-            state = _regroup(state, lay, cap, _put(index, lay), _put(keep, lay, rows=True))
-            row_ids = np.where(keep, row_ids[index], -1)
-        elif cap > state.slots:  # the cache is full: grow it
-            state = _regroup(state, lay, cap)
-        state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay)(
-            params, state, _put(np.int32(t), lay),
-            _put(np.int32(stop_live(state.rows, shards, fine=fine)), lay))
-        seg_tok, seg_logp, seg_len, done, n = distributed.fetch(
-            (seg_tok, seg_logp, state.lengths_R, state.done_R, n))
-        n, mine, syncs = int(n), row_ids >= 0, syncs + 1
-        tokens[row_ids[mine], t:t + n] = seg_tok[mine, :n]
-        logps[row_ids[mine], t:t + n] = seg_logp[mine, :n]
-        lengths[row_ids[mine]] = seg_len[mine]
-        t, row_steps = t + n, row_steps + state.rows * n
-    b = r0 // g
-    return SampleOutput(tokens=tokens.reshape(b, g, t_max), lengths=lengths.reshape(b, g),
-                        logprobs=logps.reshape(b, g, t_max), decode_row_steps=row_steps,
-                        host_syncs=syncs)
+ADMIT_SHARE = 4  # continuous batching admits prompts once a quarter of the slots are free
+
+
+def admit_bucket(n: int) -> int:
+    """Prompts a continuous-batching prefill runs for n admitted prompts: a power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _continuous(graphdef, params, st: _Static, mesh, slots: int, tokens_BxP, mask_BxP, ids_B,
+                key, num_kv_heads: int, fine: bool) -> SampleOutput:
+    """`sample` for more rows than `slots` (continuous batching): the decode state holds
+    `slots` rows; whenever a quarter of them (or all the prompts still pending) are free, the
+    next prompts are prefilled and their G rows take the free slots, while the other rows go
+    on decoding. Once no prompt is pending, rows regroup into smaller buckets as in the
+    lockstep path. Tokens equal the lockstep path's: each row draws from its own key and step."""
+    b, g = tokens_BxP.shape[0], st.num_samples
+    lay = placement.layout(mesh, num_kv_heads, slots)
+    st1 = dataclasses.replace(st, num_samples=1)  # the decode state holds one row per group
+    run = _Decoding(st1, mesh, fine, b * g)
+    tokens_BxP, mask_BxP, ids_B = (np.asarray(jax.device_get(x)) for x in (tokens_BxP, mask_BxP,
+                                                                          ids_B))
+    pending, state = list(range(b)), None
+
+    def admit(state, free):
+        n = min(len(pending), free.size // g)
+        take = pending[:n]
+        del pending[:n]
+        nb = admit_bucket(n)
+        sel = np.array(take + [take[0]] * (nb - n))
+        valid = np.arange(nb) < n
+        at = np.where(np.repeat(valid, g), np.resize(free[:n * g], nb * g), slots).astype(np.int32)
+        play = placement.layout(mesh, num_kv_heads, nb)
+        tok, msk, pid, ok = (_put(x, play, rows=True) for x in (tokens_BxP[sel], mask_BxP[sel],
+                                                                ids_B[sel], valid))
+        logits, pk, pv = _jitted("prefill", graphdef, None, play)(params, tok, msk)
+        if state is None:
+            cap = first_slots(st.max_new_tokens, bool(st.eos_ids))
+            state = _jitted("empty", None, None, lay, (cap, slots))(pk, pv)
+        state, tok0, logp0 = _jitted("admit", None, st, lay, g)(
+            state, pk, pv, msk, logits, _put(key, play), pid, ok, _put(at, lay))
+        rows = np.flatnonzero(np.repeat(valid, g))
+        out_rows = (np.repeat(np.array(take), g) * g + np.tile(np.arange(g), n))
+        tok0, logp0, lengths, done = distributed.fetch(
+            (tok0, logp0, state.lengths_R, state.done_R))
+        ids_now = run.row_ids.copy() if run.row_ids.size else np.full(slots, -1)
+        ids_now[at[rows]] = out_rows
+        first = np.full(slots, -1)
+        first[at[rows]] = rows
+        run.first(ids_now, np.where(first >= 0, tok0[np.maximum(first, 0)], 0),
+                  np.where(first >= 0, logp0[np.maximum(first, 0)], 0.0), lengths, done,
+                  fresh=first >= 0)
+        return state
+
+    state = admit(None, np.arange(slots))
+    while pending:
+        free = np.flatnonzero(run.done)
+        need = min(max(g, slots // ADMIT_SHARE), len(pending) * g)
+        if free.size >= need:
+            state = admit(state, free)
+            continue
+        state = run.segments(graphdef, params, lay, state, stop=slots - need, once=True)
+    return run.finish(run.decode(graphdef, params, lay, state), b=b, g=g)
+
+
+class _Decoding:
+    """The host side of one sampling call: the output arrays, which output row each state row
+    is (-1: none), and the decode segments that fill them."""
+
+    def __init__(self, st: _Static, mesh, fine: bool, out_rows: int):
+        t_max = st.max_new_tokens
+        self.st, self.mesh, self.fine = st, mesh, fine
+        self.shards = 1 if mesh is None else parallel.row_shards(mesh)
+        self.tokens = np.full((out_rows, t_max), st.pad_id, np.int32)
+        self.logps = np.zeros((out_rows, t_max), np.float32)
+        self.lengths = np.zeros(out_rows, np.int32)
+        self.row_ids = np.full(0, -1)  # set by `first`
+        self.done, self.len_R = np.ones(0, bool), np.zeros(0, np.int32)
+        self.row_steps, self.syncs = 0, 0
+
+    def first(self, row_ids, tok0, logp0, lengths_R, done_R, fresh=None):
+        """Records the first tokens of the state rows `fresh` (default: all) and the state's
+        row ids, lengths and finished flags (one host sync)."""
+        fresh = np.ones(len(row_ids), bool) if fresh is None else fresh
+        out = row_ids[fresh]
+        self.tokens[out, 0], self.logps[out, 0] = np.asarray(tok0)[fresh], np.asarray(logp0)[fresh]
+        self.lengths[out] = np.asarray(lengths_R)[fresh]
+        self.row_ids, self.len_R, self.done = np.array(row_ids), np.array(lengths_R), np.array(done_R)
+        self.syncs += 1
+
+    def segments(self, graphdef, params, lay, state, *, stop: int, once: bool = False):
+        """Runs decode segments (each stopping once at most `stop` rows run, or a row's cache
+        is full: then the cache grows) until every row has finished, or after one segment with
+        `once`; records their tokens. Returns the state."""
+        st, t_max = self.st, self.st.max_new_tokens
+        while not self.done.all():
+            longest = int(self.len_R[~self.done].max())
+            cap = slots_for(longest, state.slots, t_max)
+            if cap > state.slots:  # the cache is full: grow it
+                state = _regroup(state, lay, cap)
+            state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay)(
+                params, state, _put(np.int32(stop), lay))
+            seg_tok, seg_logp, len_R, done, n = distributed.fetch(
+                (seg_tok, seg_logp, state.lengths_R, state.done_R, n))
+            self._record(seg_tok, seg_logp, np.asarray(len_R), np.asarray(done))
+            self.row_steps += state.rows * int(n)
+            if once:
+                break
+        return state
+
+    def decode(self, graphdef, params, lay, state):
+        """Decodes every row to its end, moving the running rows into smaller row buckets as
+        they finish. Returns the state."""
+        while not self.done.all():
+            live = np.flatnonzero(~self.done)
+            rows = row_bucket(live.size, self.shards, fine=self.fine)
+            if rows < state.rows:  # the running rows fit a smaller bucket: gather them
+                index = np.concatenate([live, np.full(rows - live.size, live[0])]).astype(np.int32)
+                keep = np.arange(rows) < live.size
+                longest = int(self.len_R[live].max())
+                cap = slots_for(longest, state.slots, self.st.max_new_tokens)
+                lay = placement.layout(self.mesh, state.prompt_k[0].shape[1], rows)
+                state = _regroup(state, lay, cap, _put(index, lay), _put(keep, lay, rows=True))
+                self.row_ids = np.where(keep, self.row_ids[index], -1)
+                self.len_R, self.done = self.len_R[index], self.done[index] | ~keep
+            state = self.segments(graphdef, params, lay, state, once=True,
+                                  stop=stop_live(state.rows, self.shards, fine=self.fine))
+        return state
+
+    def _record(self, seg_tok, seg_logp, len_R, done):
+        """Writes a segment's tokens: state row r's column i is its token len_R_before[r] + i."""
+        mine = self.row_ids >= 0
+        k = np.where(mine, len_R - self.len_R, 0)
+        rr, cc = np.nonzero(np.arange(seg_tok.shape[1])[None, :] < k[:, None])
+        out, col = self.row_ids[rr], self.len_R[rr] + cc
+        self.tokens[out, col], self.logps[out, col] = seg_tok[rr, cc], seg_logp[rr, cc]
+        self.lengths[self.row_ids[mine]] = len_R[mine]
+        self.len_R, self.done = len_R, done
+        self.syncs += 1
+
+    def finish(self, state, b: int | None = None, g: int | None = None) -> SampleOutput:
+        """The call's SampleOutput, [B, G, T] (G = the static num_samples unless given)."""
+        del state
+        g = self.st.num_samples if g is None else g
+        b = self.tokens.shape[0] // g if b is None else b
+        t = self.st.max_new_tokens
+        return SampleOutput(tokens=self.tokens.reshape(b, g, t),
+                            lengths=self.lengths.reshape(b, g),
+                            logprobs=self.logps.reshape(b, g, t),
+                            decode_row_steps=self.row_steps, host_syncs=self.syncs)
 
 
 def _regroup(state, lay, cap: int, index_R=None, keep_R=None):
@@ -461,13 +596,14 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 2
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              eos_token_id: int | Sequence[int] | None = None, key=None, num_samples: int = 1,
              prompt_ids: Sequence[int] | None = None, pad_id: int = 0,
-             mesh=None) -> SampleOutput:
+             mesh=None, max_rows: int | None = None) -> SampleOutput:
     """Samples continuations of token-id prompts of varying lengths with a `Decoder`.
 
     `eos_token_id`: an id or a list of ids; None uses the model config's EOS ids (pass () for
     none). `key` defaults to PRNGKey(0); `prompt_ids` (default 0..N-1) identify the prompts for
     the PRNG. `mesh`: sample on it, the parameters placed by the partition rules as the trainer
-    places them (so a trainer's sampling programs on that mesh are the same ones). Returns
+    places them (so a trainer's sampling programs on that mesh are the same ones). `max_rows`:
+    at most this many rows decode at once (continuous batching, see `sample`). Returns
     numpy arrays, one row per sample, prompt-major: tokens int32 [N*G, T], lengths int32 [N*G],
     logprobs float32 [N*G, T] (G = num_samples).
     """
@@ -487,7 +623,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 2
     out = jax.device_get(sample(
         graphdef, params, tok, mask, key=key, num_samples=num_samples,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        eos_ids=eos, prompt_ids_B=ids, pad_id=pad_id, mesh=mesh))
+        eos_ids=eos, prompt_ids_B=ids, pad_id=pad_id, mesh=mesh, max_rows=max_rows))
     rows = n * num_samples
     return SampleOutput(tokens=np.asarray(out.tokens).reshape(rows, -1),
                         lengths=np.asarray(out.lengths).reshape(rows),

@@ -68,7 +68,8 @@ def _draw(w_RxV: jax.Array, u_Rx2: jax.Array) -> jax.Array:
 
 def select(logits_RxV: jax.Array, keys_R, t, st):
     """One token per row; returns (tokens_R int32, logprob_R float32 at temperature 1).
-    `st` carries the static knobs temperature, top_p and top_k."""
+    `t`: the step each row draws for (a scalar, or one per row [R]); `st` carries the static
+    knobs temperature, top_p and top_k."""
     logits = logits_RxV.astype(jnp.float32)
     v = logits.shape[-1]
     m = jnp.max(logits, axis=-1, keepdims=True)
@@ -87,7 +88,8 @@ def select(logits_RxV: jax.Array, keys_R, t, st):
             e = w
         if st.top_p < 1.0:
             w = jnp.where(w >= _top_p_threshold(w, st.top_p), w, 0.0)
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, t), (2,)))(keys_R)
+        t_R = jnp.broadcast_to(jnp.asarray(t, jnp.int32), keys_R.shape[:1])
+        u = jax.vmap(lambda k, i: jax.random.uniform(jax.random.fold_in(k, i), (2,)))(keys_R, t_R)
         tok = _draw(w, u)
     if e is None:
         e = jnp.exp(logits - m)

@@ -57,7 +57,7 @@ def test_our_prompts_and_length_hash_are_the_peers():
 
 
 def test_an_unknown_workload_and_missing_real_inputs_are_clear_errors(tmp_path, monkeypatch):
-    with pytest.raises(SystemExit, match=r"unknown workload 'huge'; known: \['real', 'small'"):
+    with pytest.raises(SystemExit, match=r"unknown workload 'huge'; known: \['real', 'real_rl', 'small'"):
         workloads.load_workload("huge")
     w = workloads.load_workload("real")
     with pytest.raises(FileNotFoundError, match=r"eval/gsm8k/test.jsonl.*--data-dir"):

@@ -188,7 +188,7 @@ def test_the_decode_loop_updates_its_cache_in_place(case):
         prompt_k, prompt_v, mask, logits, key=jax.random.PRNGKey(0), prompt_ids_B=jnp.arange(8),
         valid_B=jnp.ones(8, bool))
     seg = sampling._jitted("segment", graphdef, st, None)
-    hlo = seg.lower(params, state, jnp.int32(1), jnp.int32(-1)).compile().as_text()
+    hlo = seg.lower(params, state, jnp.int32(-1)).compile().as_text()
     shape = "f32[{}]".format(",".join(map(str, state.gen_k[0].shape)))
     copies = [line.strip() for line in hlo.splitlines() if " copy(" in line and shape in line]
     assert not copies, copies[:3]
