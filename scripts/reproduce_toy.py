@@ -16,8 +16,8 @@ OUT/results/<arm>-s<seed>.json (small, committed). Re-running the same command r
 finished run (either file exists) is skipped; an unfinished one continues from its last checkpoint (every
 `--checkpoint-every` steps). Each run is evaluated without hints at every `--eval-every` steps
 (and at its end) on the same held-out problems, for accuracy against sampled tokens and
-wall-clock. The report (`toy_study_report.py`) is written from all finished runs, so a study may
-span several sessions.
+wall-clock. The report (`toy_study_report.py`) and the claims table (`study_claims.py`,
+OUT/claims.md) are written from all finished runs, so a study may span several sessions.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import study_claims  # noqa: E402
 import toy_study_report as study  # noqa: E402
 from sage_jax.infra import checkpoint, compile_cache
 from sage_jax import config  # noqa: E402
@@ -69,14 +70,29 @@ def _int_keys(d: dict) -> dict:
 def _read_result(path: Path) -> dict:
     """A finished run's study.json; its per-prompt numbers are measured again from the run's
     groups.jsonl (so every run is read by the same analysis)."""
-    res = json.loads(path.read_text())
+    res = _int_run(json.loads(path.read_text()))
+    if (path.parent / GROUPS_FILE).is_file():
+        res.update(_visit_numbers(read_groups(path.parent), read_metrics(path.parent)))
+        res["rescue"]["rate"] = _int_keys(res["rescue"]["rate"])
+    return res
+
+
+def _int_run(res: dict) -> dict:
+    """A run read back from JSON, with its difficulty and level keys as ints again."""
     res["accuracy"] = _int_keys(res["accuracy"])
     for c in res["curve"]:
         c["accuracy"] = _int_keys(c["accuracy"])
-    if (path.parent / GROUPS_FILE).is_file():
-        res.update(_visit_numbers(read_groups(path.parent), read_metrics(path.parent)))
     res["rescue"]["rate"] = _int_keys(res["rescue"]["rate"])
     return res
+
+
+def _reported(out: Path) -> dict[tuple[str, int], dict]:
+    """{(arm, seed): run} of OUT/results.json, the runs of a study reported before its per-run
+    files were kept (docs/toy_study)."""
+    path = out / "results.json"
+    if not path.is_file():
+        return {}
+    return {(r["arm"], r["seed"]): _int_run(r) for r in json.loads(path.read_text())["runs"]}
 
 
 def _visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
@@ -221,6 +237,7 @@ def main(argv=None) -> str:
     start = start_accuracy(seeds, out, overrides, args.config)
     writing = write_accuracy(out, overrides, args.config)
     results = []
+    reported = _reported(out) if args.report_only else {}
     for s in seeds:
         for a in arms:
             done = out / "runs" / f"{a}-s{s}" / "study.json"
@@ -228,6 +245,8 @@ def main(argv=None) -> str:
             if args.report_only:
                 if done.is_file() or kept.is_file():
                     results.append(_read_result(done if done.is_file() else kept))
+                elif (a, s) in reported:
+                    results.append(reported[(a, s)])
                 continue
             results.append(run_one(a, s, args.steps, out, overrides,
                                    eval_every=args.eval_every, ckpt_every=args.checkpoint_every,
@@ -247,6 +266,7 @@ def main(argv=None) -> str:
             + (" " + " ".join(args.overrides) if args.overrides else "")
             + "`.")
     text = study.report(results, start, arms, out, note, write_acc=writing)
+    study_claims.write(out, study_claims.TITLES.get(out.name))
     print(text)
     print(f"study: {len(results)} runs reported in {time.perf_counter() - t0:.0f}s; report "
           f"{out / 'README.md'}")

@@ -46,6 +46,7 @@ def test_study_runs_resumes_a_killed_run_and_skips_finished_ones(tmp_path, monke
         assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == ["2"]
     assert "| grpo | 1 |" in text and "| sage-ref | 1 |" in text
     assert "## Hint transfer" in text and "## What the paper claims" in text
+    assert "| sage-ref − grpo |" in (out / "claims.md").read_text()
     report = (out / "README.md").read_text()
     assert report == text
     for png in ("accuracy.png", "efficiency.png", "curves.png"):
