@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import study_claims  # noqa: E402
 import toy_study_report as study  # noqa: E402
-from sage_jax.infra import checkpoint, compile_cache
+from sage_jax.infra import checkpoint, compile_cache, provenance
 from sage_jax import config  # noqa: E402
 from sage_jax.jobs import toy_job  # noqa: E402
 from sage_jax.infra.metrics import GROUPS_FILE, read_metrics  # noqa: E402
@@ -72,7 +72,7 @@ def _read_result(path: Path) -> dict:
     groups.jsonl (so every run is read by the same analysis)."""
     res = _int_run(json.loads(path.read_text()))
     if (path.parent / GROUPS_FILE).is_file():
-        res.update(_visit_numbers(read_groups(path.parent), read_metrics(path.parent)))
+        res.update(visit_numbers(read_groups(path.parent), read_metrics(path.parent)))
         res["rescue"]["rate"] = _int_keys(res["rescue"]["rate"])
     return res
 
@@ -95,7 +95,7 @@ def _reported(out: Path) -> dict[tuple[str, int], dict]:
     return {(r["arm"], r["seed"]): _int_run(r) for r in json.loads(path.read_text())["runs"]}
 
 
-def _visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
+def visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
     """Never-solved shares, rescues (mixed groups, from the metrics; solved, per level) and
     hint transfer of one run."""
     rescue = study.rescue_by_level(groups)
@@ -151,8 +151,9 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
            "median_step_s": float(np.median(step_s)) if step_s else float("nan"),
            "accuracy": curve[-1]["accuracy"], "curve": curve,
            **({"split": curve[-1]["split"]} if "split" in curve[-1] else {}),
-           **_visit_numbers(groups, rows),
-           "curves": {k: [r.get(k, float("nan")) for r in rows] for k in CURVES}}
+           **visit_numbers(groups, rows),
+           "curves": {k: [r.get(k, float("nan")) for r in rows] for k in CURVES},
+           "provenance": provenance.record(config.to_dict(cfg), seed)}
     done.write_text(json.dumps(res, indent=1))
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.write_text(json.dumps(res, indent=1))
@@ -180,7 +181,8 @@ def start_accuracy(seeds, out: Path, overrides: list[str],
         return [{**r, "accuracy": _int_keys(r["accuracy"])} for r in json.loads(path.read_text())]
     cfg = registry.load_config(base, overrides)
     model = build.load_model(cfg)
-    res = [{"seed": s, **held_out_accuracy(model, cfg, s)} for s in seeds]
+    res = [{"seed": s, **held_out_accuracy(model, cfg, s),
+            "provenance": provenance.record(config.to_dict(cfg), s)} for s in seeds]
     path.write_text(json.dumps(res, indent=1))
     return res
 
@@ -196,7 +198,8 @@ def write_accuracy(out: Path, overrides: list[str], base: str = config.DEFAULT_C
                                      warm_start.spec(cfg))
     res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems,
                                             task=warm_start.make_task(cfg))
-    res = {"problems": len(problems), **res}
+    res = {"problems": len(problems), **res,  # greedy: no sampling seed
+           "provenance": provenance.record(config.to_dict(cfg), None)}
     path.write_text(json.dumps(res, indent=1))
     return res
 

@@ -41,6 +41,9 @@ def test_study_runs_resumes_a_killed_run_and_skips_finished_ones(tmp_path, monke
         groups = [json.loads(x) for x in (wd / "groups.jsonl").read_text().splitlines()]
         assert [g["step"] for g in groups] == [1, 2] and len(groups[0]["id"]) == 4
         res = json.loads((wd / "study.json").read_text())
+        assert res["provenance"]["seed"] == 0 and res["provenance"]["commit"]
+        assert res["provenance"]["config"]["train"]["seed"] == 0
+        assert res["provenance"]["config"]["rl"]["method"] == arm.split("-")[0]
         assert [c["step"] for c in res["curve"]] == [2]
         assert sorted(res["accuracy"]) == ["2", "3"]
         assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == ["2"]
