@@ -137,8 +137,9 @@ def _arm_rows(runs: list[dict]) -> list[str]:
     return rows
 
 
-def markdown(results: dict, title: str) -> str:
-    """The claims table of one study's results.json."""
+def markdown(results: dict, title: str, registered: str | None = None) -> str:
+    """The claims table of one study's results.json; `registered`: the file that fixed its
+    analysis before its runs (else the table says the contrasts came after them)."""
     runs = results["runs"]
     rows = claims(runs)
     splits = [(s, name) for s, name in SPLITS if rows and s in rows[0]]
@@ -180,17 +181,19 @@ def markdown(results: dict, title: str) -> str:
               "SFT checkpoint) and is evaluated on the same held-out problems: the intervals "
               "cover RL seeds (prompt order, sampling keys), not a different warm start or "
               "problem set.",
-              "- The contrasts were fixed in code (`scripts/study_claims.py`, issue 50) after "
-              "these runs had finished.", ""]
+              (f"- Pre-registered in `{registered}` before any SAGE arm ran: the first primary "
+               "contrast is the registered one; the rest are secondary." if registered else
+               "- The contrasts were fixed in code (`scripts/study_claims.py`, issue 50) after "
+               "these runs had finished."), ""]
     return "\n".join(lines)
 
 
-def write(folder: Path, title: str | None = None) -> Path:
+def write(folder: Path, title: str | None = None, registered: str | None = None) -> Path:
     """DIR/claims.md from DIR/results.json."""
     folder = Path(folder)
     results = json.loads((folder / "results.json").read_text())
     path = folder / CLAIMS_FILE
-    path.write_text(markdown(results, title or folder.name))
+    path.write_text(markdown(results, title or folder.name, registered))
     return path
 
 
