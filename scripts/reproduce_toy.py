@@ -59,6 +59,7 @@ ARMS = {
     "sage_light-online": ["rl.method=sage_light", "hint.source=online"],
     "sage-online-plain": ["rl.method=sage", "hint.source=online", "rl.loss_context=plain"],
 }
+BASE = config.CONFIG_DIR / "toy_uniform.yaml"  # docs/toy_study's task (the default until issue 50)
 CURVES = ("reward/mean", "collapse/frac_all_zero", "collapse/frac_all_zero_after",
           "hint/rescued", "hint/prompts_needing_hint")
 
@@ -105,7 +106,7 @@ def visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
 
 
 def run_config(arm: str, seed: int, steps: int, overrides: list[str], ckpt_every: int,
-               base: str = config.DEFAULT_CONFIG):
+               base: str | Path = BASE):
     return registry.load_config(base, [
         *ARMS[arm], f"train.seed={seed}", f"train.steps={steps}", "task.toy.calibrate=false",
         "task.toy.report=false", "train.samples_every=0", f"checkpoint.every={ckpt_every}",
@@ -118,7 +119,7 @@ def read_groups(workdir: Path) -> list[dict]:
 
 
 def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
-            eval_every: int, ckpt_every: int, base: str = config.DEFAULT_CONFIG) -> dict:
+            eval_every: int, ckpt_every: int, base: str | Path = BASE) -> dict:
     """Trains (or resumes) one run, evaluates its checkpoints; cached in the run folder."""
     wd = out / "runs" / f"{arm}-s{seed}"
     done = wd / "study.json"
@@ -174,7 +175,7 @@ def held_out_accuracy(model, cfg, seed: int) -> dict:
 
 
 def start_accuracy(seeds, out: Path, overrides: list[str],
-                   base: str = config.DEFAULT_CONFIG) -> list[dict]:
+                   base: str | Path = BASE) -> list[dict]:
     """No-hint accuracy of the SFT start itself, with each seed's sampling key."""
     path = out / "sft_start.json"
     if path.is_file():
@@ -187,7 +188,7 @@ def start_accuracy(seeds, out: Path, overrides: list[str],
     return res
 
 
-def write_accuracy(out: Path, overrides: list[str], base: str = config.DEFAULT_CONFIG) -> dict:
+def write_accuracy(out: Path, overrides: list[str], base: str | Path = BASE) -> dict:
     """The SFT start's greedy hint-writing accuracy per level on held-out RL-length problems."""
     path = out / "write_accuracy.json"
     if path.is_file():
@@ -218,8 +219,8 @@ def main(argv=None) -> str:
     ap.add_argument("--eval-every", type=int, default=20, help="evaluate every N steps")
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--out", default="docs/toy_study")
-    ap.add_argument("--config", default=str(config.DEFAULT_CONFIG),
-                    help="the runs' base config (default: the toy job's)")
+    ap.add_argument("--config", default=str(BASE),
+                    help="the runs' base config (default: toy_uniform, docs/toy_study's)")
     ap.add_argument("--report-only", action="store_true",
                     help="write the report from the finished runs; train nothing")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -262,7 +263,7 @@ def main(argv=None) -> str:
             f"{t.problems}, lr {base.optim.lr}, seeds {seeds}; evaluation: {t.eval_per_length} "
             f"held-out prompts per length × {t.eval_samples} samples at temperature "
             f"{base.rl.temperature}, no hints. Command: `python scripts/reproduce_toy.py "
-            + (f"--config {args.config} " if args.config != str(config.DEFAULT_CONFIG) else "")
+            + (f"--config {args.config} " if args.config != str(BASE) else "")
             + f"--seeds {args.seeds} --arms {args.arms} --steps {args.steps} --problems "
             f"{args.problems} --eval-per-length {args.eval_per_length} --eval-every "
             f"{args.eval_every} --out {args.out}"

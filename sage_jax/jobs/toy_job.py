@@ -34,7 +34,9 @@ The claims tables, generated from the studies' results files (held-out no-hint a
 arm against GRPO and the no-hint re-sampling control, paired by seed, each labelled by who wrote
 its hints), are in the repository: `docs/toy_tail/claims.md` (the hard split, where GRPO stalls
 and the policy writes its own hints) and `docs/toy_study/claims.md` (the toy task without a hard
-split, where GRPO leaves almost nothing unsolved). Read them before reading a single run.
+split, where GRPO leaves almost nothing unsolved). This run's before/after accuracy is one seed
+and compares with no baseline: the same command with `rl.method=resample` (re-sampling without
+hints) or `rl.method=grpo` is the comparison, and the tables say what held over seeds.
 """
 
 

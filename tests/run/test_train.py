@@ -32,7 +32,7 @@ SAGE = ["collapse/frac_all_zero", "collapse/frac_all_one", "collapse/frac_all_ze
 
 
 def cfg(*overrides):
-    return registry.load_config(config.DEFAULT_CONFIG, TINY + list(overrides))
+    return registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", TINY + list(overrides))
 
 
 @pytest.mark.parametrize("method", ["grpo", "sage", "sage_light", "resample"])

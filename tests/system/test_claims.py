@@ -99,6 +99,20 @@ def test_readme_readings_and_job_numbers_come_from_results_files():
                                                        "toy_job.py").read_text())
 
 
+def test_the_default_jobs_measured_gate_is_its_results_file():
+    doc = (REPO / "docs" / "toy_job.md").read_text()
+    gate = json.loads((REPO / "docs" / "toy_job_gate.json").read_text())
+    acc, cal = gate["calibration"]["hint_write_acc"], gate["calibration"]
+    assert cal["hint_source"] == "online" and gate["provenance"]["config"]["train"]["steps"] == 20
+    assert (f"level 1 {acc['1']:.0%}, level 2 {acc['2']:.0%}, level 3 {acc['3']:.0%} of the time "
+            f"(parsed {cal['hint_parse_rate']:.0%})") in " ".join(doc.split())
+    t = gate["timing"]
+    assert (f"{t['cpu_s']} s of CPU in {t['elapsed_s']} s, and it was stopped after "
+            f"{t['steps_done']} of {t['steps']} steps") in " ".join(doc.split())
+    tail = (REPO / "docs" / "toy_tail" / "README.md").read_text()
+    assert "| sage-online | 1 | 7.5 min | 1.29 M | 7.46 s |" in tail  # the timed run it cites
+
+
 def test_a_drifted_number_is_caught():
     claims = (REPO / "docs" / "toy_tail" / "claims.md").read_text()
     assert unsourced("sage-online − resample: -0.002 ± 0.007", claims) == set()
