@@ -20,12 +20,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m sage_jax.sft",
         description="Warm-start the toy model on the toy task's SFT mix, with the warm-start "
-                    "settings (task.toy.*) of a run config. `--out sage_jax/tasks/toy/toy_sft` "
-                    "regenerates the checkpoint shipped with the package.")
+                    "settings (task.toy.*) of a run config. `--config toy_uniform --out "
+                    "sage_jax/tasks/toy/toy_sft` and `--config toy_tail --out "
+                    "sage_jax/tasks/toy/toy_tail_sft` regenerate the checkpoints shipped with the "
+                    "package.")
     ap.add_argument("--out", default="runs/toy_sft", help="checkpoint folder (HF format)")
     ap.add_argument("--config", default=None,
                     help="YAML config whose task.toy settings to use (default: the built-in "
-                         "toy.yaml)")
+                         "toy.yaml; toy_uniform for sage_jax/tasks/toy/toy_sft)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. task.toy.sft_seed=1")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

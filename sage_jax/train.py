@@ -33,10 +33,19 @@ def parse(argv=None):
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. rl.method=grpo optim.lr=3e-6 train.steps=10")
     args = p.parse_args(argv)
-    cfg = registry.load_config(args.config or config_lib.DEFAULT_CONFIG, args.overrides)
+    source = args.config or config_lib.DEFAULT_CONFIG
+    cfg = registry.load_config(source, args.overrides)
     workdir = args.workdir or cfg.train.workdir or Path("runs") / datetime.datetime.now(
     ).strftime("%Y%m%d-%H%M%S")
+    print(describe(source, args.overrides), flush=True)
     return cfg, workdir
+
+
+def describe(source, overrides) -> str:
+    """One line: the config file and the command line's overrides (the whole resolved config is
+    written to the run folder's config.yaml, whose path `run.loop` prints)."""
+    return (f"config: {config_lib.resolve_config_path(source)}; overrides: "
+            + (" ".join(overrides) if overrides else "none"))
 
 
 def main(argv=None):

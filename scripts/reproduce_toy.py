@@ -16,8 +16,8 @@ OUT/results/<arm>-s<seed>.json (small, committed). Re-running the same command r
 finished run (either file exists) is skipped; an unfinished one continues from its last checkpoint (every
 `--checkpoint-every` steps). Each run is evaluated without hints at every `--eval-every` steps
 (and at its end) on the same held-out problems, for accuracy against sampled tokens and
-wall-clock. The report (`toy_study_report.py`) is written from all finished runs, so a study may
-span several sessions.
+wall-clock. The report (`toy_study_report.py`) and the claims table (`study_claims.py`,
+OUT/claims.md) are written from all finished runs, so a study may span several sessions.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import study_claims  # noqa: E402
 import toy_study_report as study  # noqa: E402
-from sage_jax.infra import checkpoint, compile_cache
+from sage_jax.infra import checkpoint, compile_cache, provenance
 from sage_jax import config  # noqa: E402
 from sage_jax.jobs import toy_job  # noqa: E402
 from sage_jax.infra.metrics import GROUPS_FILE, read_metrics  # noqa: E402
@@ -58,6 +59,7 @@ ARMS = {
     "sage_light-online": ["rl.method=sage_light", "hint.source=online"],
     "sage-online-plain": ["rl.method=sage", "hint.source=online", "rl.loss_context=plain"],
 }
+BASE = config.CONFIG_DIR / "toy_uniform.yaml"  # docs/toy_study's task (the default until issue 50)
 CURVES = ("reward/mean", "collapse/frac_all_zero", "collapse/frac_all_zero_after",
           "hint/rescued", "hint/prompts_needing_hint")
 
@@ -69,17 +71,32 @@ def _int_keys(d: dict) -> dict:
 def _read_result(path: Path) -> dict:
     """A finished run's study.json; its per-prompt numbers are measured again from the run's
     groups.jsonl (so every run is read by the same analysis)."""
-    res = json.loads(path.read_text())
+    res = _int_run(json.loads(path.read_text()))
+    if (path.parent / GROUPS_FILE).is_file():
+        res.update(visit_numbers(read_groups(path.parent), read_metrics(path.parent)))
+        res["rescue"]["rate"] = _int_keys(res["rescue"]["rate"])
+    return res
+
+
+def _int_run(res: dict) -> dict:
+    """A run read back from JSON, with its difficulty and level keys as ints again."""
     res["accuracy"] = _int_keys(res["accuracy"])
     for c in res["curve"]:
         c["accuracy"] = _int_keys(c["accuracy"])
-    if (path.parent / GROUPS_FILE).is_file():
-        res.update(_visit_numbers(read_groups(path.parent), read_metrics(path.parent)))
     res["rescue"]["rate"] = _int_keys(res["rescue"]["rate"])
     return res
 
 
-def _visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
+def _reported(out: Path) -> dict[tuple[str, int], dict]:
+    """{(arm, seed): run} of OUT/results.json, the runs of a study reported before its per-run
+    files were kept (docs/toy_study)."""
+    path = out / "results.json"
+    if not path.is_file():
+        return {}
+    return {(r["arm"], r["seed"]): _int_run(r) for r in json.loads(path.read_text())["runs"]}
+
+
+def visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
     """Never-solved shares, rescues (mixed groups, from the metrics; solved, per level) and
     hint transfer of one run."""
     rescue = study.rescue_by_level(groups)
@@ -89,7 +106,7 @@ def _visit_numbers(groups: list[dict], rows: list[dict]) -> dict:
 
 
 def run_config(arm: str, seed: int, steps: int, overrides: list[str], ckpt_every: int,
-               base: str = config.DEFAULT_CONFIG):
+               base: str | Path = BASE):
     return registry.load_config(base, [
         *ARMS[arm], f"train.seed={seed}", f"train.steps={steps}", "task.toy.calibrate=false",
         "task.toy.report=false", "train.samples_every=0", f"checkpoint.every={ckpt_every}",
@@ -102,7 +119,7 @@ def read_groups(workdir: Path) -> list[dict]:
 
 
 def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
-            eval_every: int, ckpt_every: int, base: str = config.DEFAULT_CONFIG) -> dict:
+            eval_every: int, ckpt_every: int, base: str | Path = BASE) -> dict:
     """Trains (or resumes) one run, evaluates its checkpoints; cached in the run folder."""
     wd = out / "runs" / f"{arm}-s{seed}"
     done = wd / "study.json"
@@ -135,8 +152,9 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
            "median_step_s": float(np.median(step_s)) if step_s else float("nan"),
            "accuracy": curve[-1]["accuracy"], "curve": curve,
            **({"split": curve[-1]["split"]} if "split" in curve[-1] else {}),
-           **_visit_numbers(groups, rows),
-           "curves": {k: [r.get(k, float("nan")) for r in rows] for k in CURVES}}
+           **visit_numbers(groups, rows),
+           "curves": {k: [r.get(k, float("nan")) for r in rows] for k in CURVES},
+           "provenance": provenance.record(config.to_dict(cfg), seed)}
     done.write_text(json.dumps(res, indent=1))
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.write_text(json.dumps(res, indent=1))
@@ -157,19 +175,20 @@ def held_out_accuracy(model, cfg, seed: int) -> dict:
 
 
 def start_accuracy(seeds, out: Path, overrides: list[str],
-                   base: str = config.DEFAULT_CONFIG) -> list[dict]:
+                   base: str | Path = BASE) -> list[dict]:
     """No-hint accuracy of the SFT start itself, with each seed's sampling key."""
     path = out / "sft_start.json"
     if path.is_file():
         return [{**r, "accuracy": _int_keys(r["accuracy"])} for r in json.loads(path.read_text())]
     cfg = registry.load_config(base, overrides)
     model = build.load_model(cfg)
-    res = [{"seed": s, **held_out_accuracy(model, cfg, s)} for s in seeds]
+    res = [{"seed": s, **held_out_accuracy(model, cfg, s),
+            "provenance": provenance.record(config.to_dict(cfg), s)} for s in seeds]
     path.write_text(json.dumps(res, indent=1))
     return res
 
 
-def write_accuracy(out: Path, overrides: list[str], base: str = config.DEFAULT_CONFIG) -> dict:
+def write_accuracy(out: Path, overrides: list[str], base: str | Path = BASE) -> dict:
     """The SFT start's greedy hint-writing accuracy per level on held-out RL-length problems."""
     path = out / "write_accuracy.json"
     if path.is_file():
@@ -180,7 +199,8 @@ def write_accuracy(out: Path, overrides: list[str], base: str = config.DEFAULT_C
                                      warm_start.spec(cfg))
     res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems,
                                             task=warm_start.make_task(cfg))
-    res = {"problems": len(problems), **res}
+    res = {"problems": len(problems), **res,  # greedy: no sampling seed
+           "provenance": provenance.record(config.to_dict(cfg), None)}
     path.write_text(json.dumps(res, indent=1))
     return res
 
@@ -199,8 +219,8 @@ def main(argv=None) -> str:
     ap.add_argument("--eval-every", type=int, default=20, help="evaluate every N steps")
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--out", default="docs/toy_study")
-    ap.add_argument("--config", default=str(config.DEFAULT_CONFIG),
-                    help="the runs' base config (default: the toy job's)")
+    ap.add_argument("--config", default=str(BASE),
+                    help="the runs' base config (default: toy_uniform, docs/toy_study's)")
     ap.add_argument("--report-only", action="store_true",
                     help="write the report from the finished runs; train nothing")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -221,6 +241,7 @@ def main(argv=None) -> str:
     start = start_accuracy(seeds, out, overrides, args.config)
     writing = write_accuracy(out, overrides, args.config)
     results = []
+    reported = _reported(out) if args.report_only else {}
     for s in seeds:
         for a in arms:
             done = out / "runs" / f"{a}-s{s}" / "study.json"
@@ -228,6 +249,8 @@ def main(argv=None) -> str:
             if args.report_only:
                 if done.is_file() or kept.is_file():
                     results.append(_read_result(done if done.is_file() else kept))
+                elif (a, s) in reported:
+                    results.append(reported[(a, s)])
                 continue
             results.append(run_one(a, s, args.steps, out, overrides,
                                    eval_every=args.eval_every, ckpt_every=args.checkpoint_every,
@@ -240,13 +263,14 @@ def main(argv=None) -> str:
             f"{t.problems}, lr {base.optim.lr}, seeds {seeds}; evaluation: {t.eval_per_length} "
             f"held-out prompts per length × {t.eval_samples} samples at temperature "
             f"{base.rl.temperature}, no hints. Command: `python scripts/reproduce_toy.py "
-            + (f"--config {args.config} " if args.config != str(config.DEFAULT_CONFIG) else "")
+            + (f"--config {args.config} " if args.config != str(BASE) else "")
             + f"--seeds {args.seeds} --arms {args.arms} --steps {args.steps} --problems "
             f"{args.problems} --eval-per-length {args.eval_per_length} --eval-every "
             f"{args.eval_every} --out {args.out}"
             + (" " + " ".join(args.overrides) if args.overrides else "")
             + "`.")
     text = study.report(results, start, arms, out, note, write_acc=writing)
+    study_claims.write(out, study_claims.TITLES.get(out.name))
     print(text)
     print(f"study: {len(results)} runs reported in {time.perf_counter() - t0:.0f}s; report "
           f"{out / 'README.md'}")

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from sage_jax import config as config_lib, models
-from sage_jax.infra import metrics as metrics_lib, rewards
+from sage_jax.infra import metrics as metrics_lib, provenance, rewards
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.run import build, loop, restore
 from sage_jax.tasks import registry
@@ -186,7 +186,8 @@ def main(argv=None) -> None:
     summary = {"arms": args.arms.split(","), "warm_start_s": warm_s,
                "eval_problems": sum(len(v) for v in before.values()),
                "eval_samples": args.eval_samples, "before": accuracy_summary(before),
-               "settings": config_lib.to_dict(cfg)}
+               "settings": config_lib.to_dict(cfg),
+               "provenance": provenance.record(config_lib.to_dict(cfg), cfg.train.seed)}
     print("warm start:", json.dumps(summary["before"]), flush=True)
     after = {}
     for arm in summary["arms"]:

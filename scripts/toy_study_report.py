@@ -151,56 +151,6 @@ def arm_summary(rs: list[dict], grpo: list[dict]) -> dict:
             "self_hints": rs[0]["arm"].startswith("sage")}
 
 
-def claims(summ: dict, arms: list[str]) -> list[str]:
-    """The paper's claims, each with what this study measured and whether it holds here."""
-    def diff(a, b=None, key="by_seed"):
-        if a not in summ or (b and b not in summ):
-            return None
-        if b is None:
-            b = "grpo"
-            if b not in summ:
-                return summ[a]["diff"] if key == "by_seed" else summ[a]["hard_diff"]
-        pa, pb = summ[a][key], summ[b][key]
-        return [pa[s] - pb[s] for s in pa if s in pb]
-
-    def verdict(values):
-        m, h = interval(values or [])
-        if math.isnan(m):
-            return "not measured"
-        if math.isnan(h):
-            return f"{m:+.3f} (one seed: no interval)"
-        word = "holds" if m - h > 0 else ("reversed" if m + h < 0 else "not shown (interval "
-                                                                      "includes 0)")
-        return f"{m:+.3f} ± {h:.3f}: {word}"
-
-    out = []
-    for name, a, b in (("SAGE > GRPO (reference hints)", "sage-ref", None),
-                       ("SAGE > GRPO (self-written hints)", "sage-online", None),
-                       ("SAGE > the no-hint re-sampling control", "sage-ref", "resample"),
-                       ("online hints >= offline hints", "sage-online", "sage-offline"),
-                       ("on-policy (hinted) context > plain context", "sage-ref",
-                        "sage-ref-plain"),
-                       ("self-written (online) vs reference hints", "sage-online", "sage-ref"),
-                       ("on-policy (hinted) context > plain context (self-written hints)",
-                        "sage-online", "sage-online-plain"),
-                       ("SAGE-light > GRPO", "sage_light-ref", None),
-                       ("SAGE-light > GRPO (self-written hints)", "sage_light-online", None)):
-        if a in arms and (b is None or b in arms):
-            out.append(f"- {name}: accuracy difference {verdict(diff(a, b))}"
-                       + (f"; on the hard split {verdict(diff(a, b, 'hard_by_seed'))}"
-                          if summ[a]["hard"] else "")
-                       + (f" — {untested(summ[a])}" if untested(summ[a]) else ""))
-    for a in ("sage-ref", "sage-online"):
-        if a in summ and "grpo" in summ:
-            ns, ng = interval(summ[a]["never"])[0], interval(summ["grpo"]["never"])[0]
-            out.append(f"- fewer never-solved prompts ({a} vs GRPO): {ns:.3f} vs {ng:.3f}")
-    for a in ("sage_light-ref", "sage-ref", "sage-online", "sage_light-online"):
-        if a in summ and summ[a]["time_ratio"]:
-            out.append(f"- cost of {a} vs GRPO (median step time): "
-                       f"{np.median(summ[a]['time_ratio']):.2f}×")
-    return out
-
-
 def untested(s: dict) -> str:
     """The label of a SAGE arm whose hints rescued (almost) nothing."""
     if s["self_hints"] and s["escalates"] and s["all_zero"] and s["rescue_share"] < NO_RESCUE:
@@ -277,8 +227,10 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
             f"{np.median(v):.{d}f}{unit}" if v else "-" for v, d, unit in (
                 (wall, 1, " min"), (tokens, 2, " M"), (step, 2, " s"),
                 (ratio, 2, "× (paired by seed)"))) + " |")
-    lines += ["", "## What the paper claims, and what holds here", "", *claims(summ, arms), "",
-              "## No-hint accuracy by difficulty", "",
+    lines += ["", "## What the paper claims, and what holds here", "",
+              "The claims table, every contrast paired by seed with its hint source: "
+              "[claims.md](claims.md) (`scripts/study_claims.py`, generated from results.json).",
+              "", "## No-hint accuracy by difficulty", "",
               "| steps (k) | SFT start | " + " | ".join(arms) + " |",
               "|---" * (len(arms) + 2) + "|"]
     for k in ks:

@@ -20,7 +20,8 @@ LIMIT_BYTES = 200_000  # below the size of a parameter file, above that of metri
 
 
 def main(workdir: str) -> None:
-    loop.train(registry.load_config(config.DEFAULT_CONFIG, ARGS + ["train.steps=1"]), workdir)
+    loop.train(registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml",
+                                    ARGS + ["train.steps=1"]), workdir)
     real_save = checkpoint.Checkpointer.save
 
     def save_on_a_full_disk(self, step, state, **kw):
@@ -28,7 +29,7 @@ def main(workdir: str) -> None:
         return real_save(self, step, state, **kw)
 
     checkpoint.Checkpointer.save = save_on_a_full_disk
-    train.main(["--workdir", workdir, *ARGS, "train.steps=2"])
+    train.main(["--config", "toy_uniform", "--workdir", workdir, *ARGS, "train.steps=2"])
 
 
 if __name__ == "__main__":

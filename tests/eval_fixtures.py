@@ -68,7 +68,7 @@ def _train(workdir: Path, overrides: list[str]) -> None:
     from sage_jax.run import loop
     from sage_jax import config
     from sage_jax.tasks import registry
-    cfg = registry.load_config(config.DEFAULT_CONFIG, _STEP + overrides)
+    cfg = registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", _STEP + overrides)
     loop.train(cfg, workdir)
 
 

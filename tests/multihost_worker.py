@@ -51,7 +51,7 @@ def main(workdir: str, report: str, die_after: int | None = None) -> None:
 
         loop._step = step_then_die
     out = {"helpers": helpers()}
-    cfg = registry.load_config(config.DEFAULT_CONFIG, ARGS)
+    cfg = registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", ARGS)
     metrics = loop.train(cfg, workdir)
     _, model, step = restore.restore_policy(workdir)  # every process restores (orbax needs all)
     out.update(process_index=jax.process_index(), process_count=jax.process_count(),

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from sage_jax import config as config_lib, models
-from sage_jax.infra import rewards
+from sage_jax.infra import provenance, rewards
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.run import restore
 from sage_jax.tasks import registry
@@ -119,7 +119,8 @@ def run(args) -> dict[str, Any]:
             progress=not args.no_progress, keep_samples=True)
     samples = result.pop("samples")
     table = eval_lib.format_table(result)
-    report = {**info, "settings": settings, **result}
+    report = {**info, "settings": settings, **result, "provenance": provenance.record(
+        config_lib.to_dict(cfg) if cfg is not None else {}, args.seed)}
     (out_dir / "results.json").write_text(json.dumps(_finite(report), indent=2) + "\n")
     with (out_dir / "samples.jsonl").open("w", encoding="utf-8") as f:
         for s in samples:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from sage_jax.infra import checkpoint, distributed, metrics as metrics_lib
 from sage_jax import config as config_lib
 from sage_jax.config import Config
-from sage_jax.infra import host_memory, parallel, rewards, wandb_log
+from sage_jax.infra import host_memory, parallel, provenance, rewards, wandb_log
 from sage_jax.engine import compile_check, sampling, update
 from sage_jax.engine.state import TrainState
 from sage_jax.eval import accuracy as eval_lib
@@ -34,6 +34,8 @@ from sage_jax.tasks import data as data_lib, registry
 from sage_jax.tasks.base import Task
 from sage_jax.tasks.benchmarks import Problem
 from sage_jax.tasks.data import Example
+
+PROVENANCE_FILE = "provenance.json"  # the run folder's commit, seed and resolved config
 
 
 class TrainingError(RuntimeError):
@@ -176,8 +178,11 @@ def _start(cfg: Config, workdir: Path) -> _Run:
     workdir.mkdir(parents=True, exist_ok=True)
     is_main = distributed.is_main()
     if is_main:
-        print(config_lib.to_yaml(cfg))
         config_lib.save_config(cfg, workdir / "config.yaml")
+        (workdir / PROVENANCE_FILE).write_text(json.dumps(
+            provenance.record(config_lib.to_dict(cfg), cfg.train.seed), indent=1))
+        print(f"resolved config: {workdir / 'config.yaml'} (commit and seed: "
+              f"{workdir / PROVENANCE_FILE})", flush=True)
     mesh = parallel.make_mesh(cfg.mesh)
     check_fits(cfg, mesh)
     if cfg.train.aot_check:

@@ -11,7 +11,7 @@ from flax import nnx
 import eval_fixtures
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax import evaluate, models
-from sage_jax.infra import rewards
+from sage_jax.infra import provenance, rewards
 from sage_jax.tasks.math_grading import extract_boxed, math_reward_checked
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.benchmarks import Problem, load_benchmark
@@ -246,6 +246,9 @@ def test_cli_toy_checkpoint_uses_the_toy_problems(toy_run, tmp_path, capsys):
                             "--max-new-tokens", "8", "--out", str(out), "--no-progress",
                             "--reward-workers", "1"])
     assert report["task"] == "toy" and report["step"] == 0
+    saved = json.loads((out / "results.json").read_text())["provenance"]
+    assert saved["seed"] == 0 and saved["config"]["task"]["name"] == "toy"
+    assert saved["commit"] == provenance.commit()
     assert list(report["benchmarks"]) == ["toy"] and report["benchmarks"]["toy"]["n"] == 4
     assert report["average"] is None
     assert "toy" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from sage_jax import config
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.jobs import toy_job
 from sage_jax.tasks.toy import chains as toy, warm_start
+from sage_jax.tasks.toy.toy_config import ToyConfig
 from sage_jax.tasks import registry
 
 pytestmark = pytest.mark.slow
@@ -81,7 +82,8 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
         monkey.undo()
 
 
-@pytest.mark.parametrize("name,folder", [("toy", "PACKAGED"), ("toy_tail", "PACKAGED_TAIL")])
+@pytest.mark.parametrize("name,folder", [("toy_uniform", "PACKAGED"), ("toy_tail", "PACKAGED_TAIL"),
+                                         ("toy", "PACKAGED_TAIL")])
 def test_shipped_warm_start_matches_its_config(name, folder):
     """The checkpoints under sage_jax/tasks/toy/ are what the toy jobs load: each must have been
     made with its config's warm-start settings (else every fresh run retrains)."""
@@ -93,6 +95,17 @@ def test_shipped_warm_start_matches_its_config(name, folder):
     assert (folder / "model.safetensors").is_file()
     other = registry.load_config(name, ["task.toy.sft_seed=7"])
     assert not warm_start._same(shipped, warm_start.warm_start_settings(other))
+
+
+def test_the_default_jobs_gate_picks_self_written_hints(tmp_path, capsys):
+    """The default config is the hard split's: its shipped warm start writes its own hints right
+    often enough that the gate (hint.source: auto) picks them, as the docs/toy_tail study's."""
+    cfg = registry.load_config(config.DEFAULT_CONFIG, ["task.toy.calibrate_per_length=3"])
+    assert cfg.task.section(ToyConfig).rare_operands == (7,)
+    cal = toy_job.before_rl(cfg, tmp_path, warm_start.warm_started_model(cfg))
+    assert cal is not None and cal["hint_source"] == "online", cal["hint_source_reason"]
+    assert cal["hint_write_acc"][1] >= 0.5 and cal["gate"]["self_hints"]
+    assert "hint source: online (auto:" in capsys.readouterr().out
 
 
 def test_accuracy_by_split_separates_the_hard_split():

@@ -43,7 +43,7 @@ def test_a_hub_id_resolves_from_the_cache_and_trains(offline_cache, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {a} + 1?", "answer": str(a + 1)})
                             + "\n" for a in range(4)))
-    cfg = registry.load_config(config.DEFAULT_CONFIG, [
+    cfg = registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", [
         "task.name=math", "model.path=org/tiny-qwen", f"data.train_files=[{data}]",
         "rl.method=grpo", "rl.prompts_per_step=4", "rl.group_size=2", "rl.minibatches=1",
         "rl.max_new_tokens=4", "train.steps=1", "eval.every=0", "train.samples_every=0"])

@@ -12,7 +12,7 @@ from flax import nnx
 
 from sage_jax.run import loop
 from sage_jax.run import restore
-from sage_jax.infra import checkpoint, rewards
+from sage_jax.infra import checkpoint, provenance, rewards
 from sage_jax import config, train
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.tasks import registry
@@ -32,7 +32,7 @@ SAGE = ["collapse/frac_all_zero", "collapse/frac_all_one", "collapse/frac_all_ze
 
 
 def cfg(*overrides):
-    return registry.load_config(config.DEFAULT_CONFIG, TINY + list(overrides))
+    return registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", TINY + list(overrides))
 
 
 @pytest.mark.parametrize("method", ["grpo", "sage", "sage_light", "resample"])
@@ -54,6 +54,9 @@ def test_each_method_runs_and_writes_metrics(tmp_path, method):
     assert (tmp_path / "config.yaml").is_file()
     saved = registry.load_config(tmp_path / "config.yaml", [])
     assert saved.rl.method == method
+    prov = json.loads((tmp_path / "provenance.json").read_text())
+    assert prov["seed"] == saved.train.seed and prov["config"] == config.to_dict(saved)
+    assert prov["commit"] == provenance.commit() != ""
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert samples and {"problem", "responses", "rewards", "hint", "level", "hint_written"} <= set(
         samples[0])
@@ -208,6 +211,23 @@ def test_bad_config_fails_before_compile(tmp_path):
     with pytest.raises(ValueError, match="rl.prompts_per_step"):
         loop.train(cfg("rl.prompts_per_step=3", "rl.minibatches=1", "rl.group_size=3",
                         "mesh.data=8", "train.steps=1"), tmp_path)
+
+
+def test_console_names_the_overrides_and_the_config_file_not_the_whole_config(tmp_path, capsys):
+    c, workdir = train.parse(["--workdir", str(tmp_path), "rl.method=grpo", "train.steps=3"])
+    assert capsys.readouterr().out == (f"config: {config.DEFAULT_CONFIG}; overrides: "
+                                       "rl.method=grpo train.steps=3\n")
+    train.parse(["--config", "grpo_tiny", "--workdir", str(tmp_path)])
+    assert capsys.readouterr().out.endswith("configs/grpo_tiny.yaml; overrides: none\n")
+    with pytest.raises(ValueError):  # stops after the run folder's files, before compiling
+        loop.train(cfg("rl.prompts_per_step=3", "rl.minibatches=1", "rl.group_size=3",
+                        "mesh.data=8", "train.steps=1"), tmp_path)
+    out = capsys.readouterr().out
+    assert out.startswith(f"resolved config: {tmp_path / 'config.yaml'} (commit and seed: "
+                          f"{tmp_path / 'provenance.json'})")
+    assert "optim:" not in out and len(out.splitlines()) < 5
+    saved = registry.load_config(tmp_path / "config.yaml")
+    assert json.loads((tmp_path / "provenance.json").read_text())["config"] == config.to_dict(saved)
 
 
 def test_cli_unknown_key_names_the_closest(capsys):

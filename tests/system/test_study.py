@@ -41,11 +41,15 @@ def test_study_runs_resumes_a_killed_run_and_skips_finished_ones(tmp_path, monke
         groups = [json.loads(x) for x in (wd / "groups.jsonl").read_text().splitlines()]
         assert [g["step"] for g in groups] == [1, 2] and len(groups[0]["id"]) == 4
         res = json.loads((wd / "study.json").read_text())
+        assert res["provenance"]["seed"] == 0 and res["provenance"]["commit"]
+        assert res["provenance"]["config"]["train"]["seed"] == 0
+        assert res["provenance"]["config"]["rl"]["method"] == arm.split("-")[0]
         assert [c["step"] for c in res["curve"]] == [2]
         assert sorted(res["accuracy"]) == ["2", "3"]
         assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == ["2"]
     assert "| grpo | 1 |" in text and "| sage-ref | 1 |" in text
     assert "## Hint transfer" in text and "## What the paper claims" in text
+    assert "| sage-ref − grpo |" in (out / "claims.md").read_text()
     report = (out / "README.md").read_text()
     assert report == text
     for png in ("accuracy.png", "efficiency.png", "curves.png"):

@@ -1,5 +1,6 @@
-"""The toy study's report (`scripts/toy_study_report.py`) on hand-made run results: the hard
-split's table and paired differences."""
+"""The toy study's report (`scripts/toy_study_report.py`) and claims table
+(`scripts/study_claims.py`) on hand-made run results: the hard split's table and paired
+differences."""
 
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+import study_claims  # noqa: E402
 import toy_study_report as study  # noqa: E402
 
 
@@ -33,8 +35,12 @@ def test_report_pairs_the_hard_split_by_seed(tmp_path):
     m, h = study.interval([0.2 - 0.0, 0.4 - 0.1])
     assert f"| sage-online | 0.300 ± {study.interval([0.2, 0.4])[1]:.3f} | {m:.3f} ± {h:.3f} |" \
         in text
-    assert "SAGE > GRPO (self-written hints): accuracy difference" in text
-    assert f"on the hard split {m:+.3f} ± {h:.3f}" in text
+    assert "[claims.md](claims.md)" in text  # the claims are the claims table's
+    claims = study_claims.markdown({"runs": runs}, "hand-made")
+    row = next(x for x in claims.splitlines() if x.startswith("| sage-online − grpo |"))
+    assert row.split(" | ")[1:4] == ["SAGE with self-written hints beats GRPO",
+                                     "self-written vs none", "2"]
+    assert row.split(" | ")[5] == f"{m:+.3f} ± {h:.3f} (not shown)"  # the hard split, paired
     assert "| sage-online | 2 | - | 0.00 M | 2.00 s | 2.00× (paired by seed) |" in text  # cost
     assert (tmp_path / "accuracy.png").is_file()
 

@@ -105,7 +105,7 @@ def test_tail_config_sets_the_hard_split_and_its_own_warm_start():
     assert spec.rare_operands == (7,) and spec.rare_share > 0
     assert warm_start.sft_spec(cfg).rare_share == cfg.task.section(ToyConfig).sft_rare_share
     assert warm_start.make_task(cfg).hint_format == "level"
-    default = registry.load_config(config.DEFAULT_CONFIG, [])
+    default = registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", [])
     assert warm_start.cache_path(cfg) != warm_start.cache_path(default)
     with pytest.raises(config.ConfigError, match="rare_operands"):
         registry.load_config(config.DEFAULT_CONFIG, ["task.toy.rare_operands=[0]"])

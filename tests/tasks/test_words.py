@@ -68,7 +68,7 @@ def test_a_reply_is_read_leniently_and_a_leak_is_refused_and_counted():
 
 
 def test_the_plugin_builds_examples_and_held_out_problems_by_length():
-    cfg = registry.load_config(config_lib.DEFAULT_CONFIG, [
+    cfg = registry.load_config(config_lib.CONFIG_DIR / "toy_uniform.yaml", [
         "task.name=words", "task.words.problems=12", "task.words.min_steps=2",
         "task.words.max_steps=3"])
     ex = registry.plugin("words").examples(cfg)
@@ -81,7 +81,7 @@ def test_the_plugin_builds_examples_and_held_out_problems_by_length():
     with pytest.raises(ConfigError, match="model.path"):
         registry.plugin("words").make_task(cfg, None, None)
     with pytest.raises(ConfigError, match="task.words.min_steps"):
-        registry.load_config(config_lib.DEFAULT_CONFIG, ["task.words.min_steps=0"])
+        registry.load_config(config_lib.CONFIG_DIR / "toy_uniform.yaml", ["task.words.min_steps=0"])
 
 
 # ---- the rollout with one request per level -------------------------------------------------
@@ -169,13 +169,13 @@ def test_sage_asks_one_request_per_level_and_counts_parsed_right_and_leaked_hint
 
 
 def test_built_in_problems_longer_than_the_rollout_rows_are_refused_naming_the_key():
-    cfg = registry.load_config(config_lib.DEFAULT_CONFIG, [
+    cfg = registry.load_config(config_lib.CONFIG_DIR / "toy_uniform.yaml", [
         "task.name=words", "task.words.problems=8", "task.words.max_steps=6",
         "data.max_prompt_tokens=200"])
     chars = type("Chars", (), {"answer_prompt": staticmethod(lambda p: list(p))})()
     with pytest.raises(ConfigError, match="data.max_prompt_tokens=200"):
         build.load_examples(cfg, chars)
-    ok = registry.load_config(config_lib.DEFAULT_CONFIG, [
+    ok = registry.load_config(config_lib.CONFIG_DIR / "toy_uniform.yaml", [
         "task.name=words", "task.words.problems=8", "data.max_prompt_tokens=2000"])
     examples, stats = build.load_examples(ok, chars)
     assert len(examples) == 8 and stats["examples"] == 8

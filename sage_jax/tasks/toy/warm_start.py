@@ -2,7 +2,8 @@
 (what `run.build.load_model` returns with no model.path and task.toy.warm_start), the toy model
 after `calibrate.warm_start`. It comes from, in order:
 - a checkpoint shipped with the package, when it was made with the run's warm-start settings:
-  `PACKAGED` (configs/toy.yaml's) or `PACKAGED_TAIL` (configs/toy_tail.yaml's), each a copy
+  `PACKAGED` (configs/toy_uniform.yaml's) or `PACKAGED_TAIL` (configs/toy_tail.yaml's and the
+  default configs/toy.yaml's), each a copy
   of the cache folder below;
 - the cache, a Hugging Face folder under `task.toy.cache_dir` (default $SAGE_JAX_CACHE or
   ~/.cache/sage_jax), keyed by everything that shapes the warm start;
