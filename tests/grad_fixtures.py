@@ -14,9 +14,10 @@ def minibatch_grads(params, batch, *, graphdef, cfg, mesh, chunk=update.DEFAULT_
                     remat=True):
     """(grads, metrics) of the whole `batch` taken as one mini-batch, accumulated over
     micro-batches of `cfg.rl.micro_batch_size` rows (what one optimiser update uses)."""
-    rl = dataclasses.replace(cfg.rl, minibatches=1)
+    settings = dataclasses.replace(update.UpdateSettings.of(cfg), minibatches=1)
     data, tokens_M, seqs_M = update._prepare(params, update._packed(batch), graphdef=graphdef,
-                                             rl=rl, mesh=mesh, chunk=chunk)
+                                             settings=settings, mesh=mesh, chunk=chunk)
     return update._accumulate(params, jax.tree.map(lambda x: x[0], data), tokens_M[0],
-                              seqs_M[0], graphdef=graphdef, rl=rl, mesh=mesh, chunk=chunk,
+                              seqs_M[0], graphdef=graphdef, settings=settings, mesh=mesh,
+                              chunk=chunk,
                               remat=remat)

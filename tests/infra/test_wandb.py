@@ -74,4 +74,5 @@ def test_a_missing_wandb_package_fails_at_start(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "load_model", no_model)
     with pytest.raises(config.ConfigError, match="logging.wandb=true needs the wandb package"):
-        loop.train(registry.load_config(config.DEFAULT_CONFIG, ARGS + ["train.steps=1"]), tmp_path)
+        loop.train(registry.load_config(config.DEFAULT_CONFIG,
+                                        ARGS + ["train.steps=1", "hint.source=online"]), tmp_path)

@@ -22,6 +22,17 @@ SHRUNK = ["task.toy.min_steps=2", "task.toy.max_steps=3", "task.toy.sft_steps=12
           "rl.max_new_tokens=36", "hint.max_new_tokens=72", "checkpoint.every=0"]
 
 
+def test_every_toy_run_resolves_auto_before_the_loop(tmp_path, monkeypatch):
+    """A toy run outside the default job (here: a model path, so no gate) still reaches
+    `loop.train` with `hint.source: auto` resolved: to reference, without a gate."""
+    seen = []
+    monkeypatch.setattr(toy_job.loop, "train", lambda cfg, workdir: seen.append(cfg) or {})
+    cfg = registry.load_config(config.DEFAULT_CONFIG, ["model.path=some/model"])
+    assert cfg.hint.source == "auto" and cfg.rl.hinted
+    toy_job.run(cfg, tmp_path)
+    assert [c.hint.source for c in seen] == ["reference"]
+
+
 def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys):
     cache = tmp_path / "cache"
     cfg = registry.load_config(config.DEFAULT_CONFIG, SHRUNK + [f"task.toy.cache_dir={cache}"])
