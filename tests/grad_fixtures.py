@@ -11,7 +11,7 @@ from sage_jax.engine import update
 
 
 def minibatch_grads(params, batch, *, graphdef, cfg, mesh, chunk=update.DEFAULT_CHUNK,
-                    remat=True):
+                    remat_logits=True):
     """(grads, metrics) of the whole `batch` taken as one mini-batch, accumulated over
     micro-batches of `cfg.rl.micro_batch_size` rows (what one optimiser update uses)."""
     settings = dataclasses.replace(update.UpdateSettings.of(cfg), minibatches=1)
@@ -20,4 +20,4 @@ def minibatch_grads(params, batch, *, graphdef, cfg, mesh, chunk=update.DEFAULT_
     return update._accumulate(params, jax.tree.map(lambda x: x[0], data), tokens_M[0],
                               seqs_M[0], graphdef=graphdef, settings=settings, mesh=mesh,
                               chunk=chunk,
-                              remat=remat)
+                              remat_logits=remat_logits)

@@ -128,8 +128,8 @@ def run(args) -> None:
     slots = loss_mask.size
     if cfg.rl.padding_free:  # the micro-batches the update computes (the others are skipped)
         m, u, r = update.layout(rows, settings)
-        used = batch["loss_mask_SxL"].reshape(r, m * u, -1).any(axis=(0, 2))
-        slots = int(used.sum()) * r * batch["loss_mask_SxL"].shape[1]
+        used = batch["loss_mask_ZxL"].reshape(r, m * u, -1).any(axis=(0, 2))
+        slots = int(used.sum()) * r * batch["loss_mask_ZxL"].shape[1]
     batch = parallel.shard_batch(batch, mesh)
     real_tokens = int(mask.sum())
     step = update.TrainStep(graphdef, settings, mesh, chunk=CHUNK, remat_logits=REMAT)

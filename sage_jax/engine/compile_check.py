@@ -219,12 +219,12 @@ def abstract_batch(cfg: Config, shapes: RunShapes, mesh: Mesh) -> dict:
     """The update's packed batch at its worst: every row alone in a sequence of L columns."""
     n, length = shapes.prompts * shapes.group, shapes.row_len
     rows = parallel.rows_sharding(mesh)
-    token = {"tokens_SxL": jnp.int32, "segments_SxL": jnp.int32, "loss_mask_SxL": jnp.bool_,
-             "advantages_SxL": jnp.float32, "answer_len_SxL": jnp.float32}
+    token = {"tokens_ZxL": jnp.int32, "segments_ZxL": jnp.int32, "loss_mask_ZxL": jnp.bool_,
+             "advantages_ZxL": jnp.float32, "answer_len_ZxL": jnp.float32}
     if cfg.rl.old_logprobs == "sampler" and cfg.rl.loss_context == "hinted":
-        token["old_logp_SxL"] = jnp.float32
+        token["old_logp_ZxL"] = jnp.float32
     if cfg.rl.kl_beta > 0:
-        token["ref_logp_SxL"] = jnp.float32
+        token["ref_logp_ZxL"] = jnp.float32
     batch = {k: _abstract((n, length), dt, rows) for k, dt in token.items()}
     per_row = {"advantages_N": jnp.float32, "answer_len_N": jnp.float32, "level_N": jnp.int8,
                "collapse_N": jnp.int8}

@@ -2,22 +2,22 @@
 sequences, so that the update's cost follows the real tokens rather than the padding.
 
 A row (prompt then answer, its `mask_NxL` tokens) never straddles two sequences; a sequence
-holds whole rows, each a segment: `segments_SxL` is 0 on padding and 1, 2, ... on the rows in
+holds whole rows, each a segment: `segments_ZxL` is 0 on padding and 1, 2, ... on the rows in
 order, so attention never crosses rows and positions restart at 0 in each row. Rows are packed
 per mini-batch (first-fit, longest first), so mini-batch membership is that of the padded
 layout (see `update.py`), and the loss denominators, the per-row log-probs and hence the
 gradients are those of the padded batch.
 
-Packed batch (S = M * U * R sequences of L columns; N rows):
-  tokens_SxL      int32  the rows' tokens, end to end; 0 on padding
-  segments_SxL    int32  0 on padding, else 1 + the row's index within its sequence
-  loss_mask_SxL   bool   answer tokens (as `loss_mask_NxL`)
-  advantages_SxL  f32    the row's advantage on each of its tokens
-  answer_len_SxL  f32    the row's answer-token count on each of its tokens
-  old_logp_SxL, ref_logp_SxL  optional, as the `_NxL` ones
+Packed batch (Z = M * U * R sequences of L columns; N rows):
+  tokens_ZxL      int32  the rows' tokens, end to end; 0 on padding
+  segments_ZxL    int32  0 on padding, else 1 + the row's index within its sequence
+  loss_mask_ZxL   bool   answer tokens (as `loss_mask_NxL`)
+  advantages_ZxL  f32    the row's advantage on each of its tokens
+  answer_len_ZxL  f32    the row's answer-token count on each of its tokens
+  old_logp_ZxL, ref_logp_ZxL  optional, as the `_NxL` ones
   advantages_N, level_N, collapse_N, answer_len_N  per row, for the batch metrics
 
-The shape is the padded layout's, whatever the rows (S = N; L = `width`, the run's longest row
+The shape is the padded layout's, whatever the rows (Z = N; L = `width`, the run's longest row
 when given), so a run compiles one update program. The sequences that hold rows fill a
 mini-batch's micro-batches in order and the rest are padding: the update skips a micro-batch
 without answer tokens, so the work follows the micro-batches that hold rows. Sequence s sits at
@@ -33,8 +33,8 @@ PER_ROW = ("advantages_N", "level_N", "collapse_N")
 
 
 def is_packed(batch: dict) -> bool:
-    """Whether `batch` is in the packed form (its per-token arrays are `_SxL`)."""
-    return any(key.endswith("_SxL") for key in batch)
+    """Whether `batch` is in the packed form (its per-token arrays are `_ZxL`)."""
+    return any(key.endswith("_ZxL") for key in batch)
 
 
 def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
@@ -64,14 +64,14 @@ def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
             room[k] -= int(lengths[q])
         bins.append(seqs)
     s = n  # at most one sequence per row: the padded layout's U x R per mini-batch
-    out = {"tokens_SxL": np.zeros((s, width), np.int32),
-           "segments_SxL": np.zeros((s, width), np.int32),
-           "loss_mask_SxL": np.zeros((s, width), bool),
-           "advantages_SxL": np.zeros((s, width), np.float32),
-           "answer_len_SxL": np.zeros((s, width), np.float32)}
+    out = {"tokens_ZxL": np.zeros((s, width), np.int32),
+           "segments_ZxL": np.zeros((s, width), np.int32),
+           "loss_mask_ZxL": np.zeros((s, width), bool),
+           "advantages_ZxL": np.zeros((s, width), np.float32),
+           "answer_len_ZxL": np.zeros((s, width), np.float32)}
     extra = [k for k in ("old_logp", "ref_logp") if f"{k}_NxL" in batch]
     for k in extra:
-        out[f"{k}_SxL"] = np.zeros((s, width), np.float32)
+        out[f"{k}_ZxL"] = np.zeros((s, width), np.float32)
     src = {k: np.asarray(batch[f"{k}_NxL"]) for k in ("tokens", *extra)}
     adv = np.asarray(batch["advantages_N"], np.float32)
     answer_len = loss.sum(1)
@@ -84,11 +84,11 @@ def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
                 cols = np.flatnonzero(mask[q])
                 span = slice(at, at + len(cols))
                 for k, x in src.items():
-                    out[f"{k}_SxL"][dst, span] = x[q, cols]
-                out["segments_SxL"][dst, span] = seg
-                out["loss_mask_SxL"][dst, span] = loss[q, cols]
-                out["advantages_SxL"][dst, span] = adv[q]
-                out["answer_len_SxL"][dst, span] = answer_len[q]
+                    out[f"{k}_ZxL"][dst, span] = x[q, cols]
+                out["segments_ZxL"][dst, span] = seg
+                out["loss_mask_ZxL"][dst, span] = loss[q, cols]
+                out["advantages_ZxL"][dst, span] = adv[q]
+                out["answer_len_ZxL"][dst, span] = answer_len[q]
                 at += len(cols)
     for k in PER_ROW:
         if k in batch:
@@ -98,18 +98,18 @@ def pack(batch: dict, *, minibatches: int, micro_batches: int, micro_rows: int,
 
 
 def as_packed(batch: dict, xp=np) -> dict:
-    """The packed form of a padded batch with one row per sequence (no packing: S = N), with
+    """The packed form of a padded batch with one row per sequence (no packing: Z = N), with
     `xp` = numpy or jax.numpy (inside jit)."""
     mask = batch["mask_NxL"].astype(bool)
     loss = batch["loss_mask_NxL"].astype(bool) & mask
     answer_len = xp.sum(loss, axis=1).astype(xp.float32)
     ones = xp.ones(mask.shape, xp.float32)
-    out = {"tokens_SxL": batch["tokens_NxL"], "segments_SxL": mask.astype(xp.int32),
-           "loss_mask_SxL": loss,
-           "advantages_SxL": batch["advantages_N"].astype(xp.float32)[:, None] * ones,
-           "answer_len_SxL": answer_len[:, None] * ones, "answer_len_N": answer_len}
+    out = {"tokens_ZxL": batch["tokens_NxL"], "segments_ZxL": mask.astype(xp.int32),
+           "loss_mask_ZxL": loss,
+           "advantages_ZxL": batch["advantages_N"].astype(xp.float32)[:, None] * ones,
+           "answer_len_ZxL": answer_len[:, None] * ones, "answer_len_N": answer_len}
     for k in ("old_logp", "ref_logp"):
         if f"{k}_NxL" in batch:
-            out[f"{k}_SxL"] = batch[f"{k}_NxL"]
+            out[f"{k}_ZxL"] = batch[f"{k}_NxL"]
     out.update({k: batch[k] for k in PER_ROW if k in batch})
     return out

@@ -50,9 +50,9 @@ from sage_jax.engine.state import TrainState, master_params
 
 REQUIRED = ("tokens_NxL", "mask_NxL", "loss_mask_NxL", "advantages_N")
 OPTIONAL = ("old_logp_NxL", "ref_logp_NxL", "level_N", "collapse_N")
-PACKED_REQUIRED = ("tokens_SxL", "segments_SxL", "loss_mask_SxL", "advantages_SxL",
-                   "answer_len_SxL", "advantages_N", "answer_len_N")
-PACKED_OPTIONAL = ("old_logp_SxL", "ref_logp_SxL", "level_N", "collapse_N")
+PACKED_REQUIRED = ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL", "advantages_ZxL",
+                   "answer_len_ZxL", "advantages_N", "answer_len_N")
+PACKED_OPTIONAL = ("old_logp_ZxL", "ref_logp_ZxL", "level_N", "collapse_N")
 DEFAULT_CHUNK = 256  # Sequence columns per chunk of logits in the loss.
 
 
@@ -164,14 +164,14 @@ def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
     packed) or the mesh."""
     packed = packing.is_packed(batch)
     required, optional = (PACKED_REQUIRED, PACKED_OPTIONAL) if packed else (REQUIRED, OPTIONAL)
-    tokens = "tokens_SxL" if packed else "tokens_NxL"
+    tokens = "tokens_ZxL" if packed else "tokens_NxL"
     unknown = set(batch) - set(required) - set(optional)
     if unknown:
         raise ValueError(f"unknown batch keys {sorted(unknown)}; valid: {required + optional}")
     for key in required:
         if key not in batch:
             raise ValueError(f"batch is missing {key!r} (required: {required})")
-    ref = "ref_logp_SxL" if packed else "ref_logp_NxL"
+    ref = "ref_logp_ZxL" if packed else "ref_logp_NxL"
     if settings.kl_beta > 0 and ref not in batch:
         raise ValueError(f"rl.kl_beta={settings.kl_beta} needs {ref!r} in the batch")
     shape = tuple(batch[tokens].shape)
@@ -196,29 +196,29 @@ def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
 
 
 def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, settings: UpdateSettings, chunk,
-                remat, rows):
+                remat_logits, rows):
     """(loss, metrics) of one micro-batch; losses and metrics add up over a mini-batch.
     `fresh`: `params` are the ones the answers were sampled with, so the old log-probs are the
     current ones (not recomputed: the ratio is exactly 1)."""
     tok_denom, seq_denom = denoms
-    loss_mask = mb["loss_mask_SxL"]
+    loss_mask = mb["loss_mask_ZxL"]
     model = nnx.merge(graphdef, params)
     h = jax.lax.with_sharding_constraint(
-        model.hidden(mb["tokens_SxL"], segments_BxT=mb["segments_SxL"]),
+        model.hidden(mb["tokens_ZxL"], segments_BxT=mb["segments_ZxL"]),
         rows)  # keep rows split (not D) for the logits
-    logp, ent = grpo.logprobs_from_hidden(model.logits, h, mb["tokens_SxL"], loss_mask,
-                                          chunk=chunk, remat=remat)
+    logp, ent = grpo.logprobs_from_hidden(model.logits, h, mb["tokens_ZxL"], loss_mask,
+                                          chunk=chunk, remat_logits=remat_logits)
     agg: dict[str, Any] = dict(agg=settings.loss_agg, norm_len=settings.norm_len,
-                               row_len_NxT=mb["answer_len_SxL"],
+                               row_len_NxT=mb["answer_len_ZxL"],
                                denom=tok_denom if settings.loss_agg == "token-mean"
                                else seq_denom)
-    old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_SxL"])
-    pg, metrics = grpo.policy_loss(logp, old, mb["advantages_SxL"], loss_mask,
+    old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_ZxL"])
+    pg, metrics = grpo.policy_loss(logp, old, mb["advantages_ZxL"], loss_mask,
                                    clip_low=settings.clip_low, clip_high=settings.clip_high,
                                    dual_clip=settings.dual_clip, token_denom=tok_denom, **agg)
     loss = pg
     if settings.kl_beta > 0:
-        kl = grpo.aggregate(grpo.kl_k3(logp, mb["ref_logp_SxL"]), loss_mask, **agg)
+        kl = grpo.aggregate(grpo.kl_k3(logp, mb["ref_logp_ZxL"]), loss_mask, **agg)
         loss = loss + settings.kl_beta * kl
         metrics["kl/ref"] = jax.lax.stop_gradient(kl)
     metrics.update(loss=jax.lax.stop_gradient(loss), pg_loss=jax.lax.stop_gradient(pg),
@@ -231,36 +231,36 @@ def _prepare(params, batch, *, graphdef, settings, mesh, chunk, skip_first=False
     r*M*U + j*U + i -> [j, i, r]), with old log-probs (recomputed from `params` when absent;
     with `skip_first`, not for mini-batch 0, which the first update takes fresh), and
     per-mini-batch answer-token and answer counts."""
-    m, k, r = layout(batch["advantages_N"].shape[0], settings)
+    m, u, r = layout(batch["advantages_N"].shape[0], settings)
     split_sh = NamedSharding(mesh, P(None, None, parallel.ROWS))
 
     def split(x):
-        x = jnp.moveaxis(x.reshape(r, m, k, *x.shape[1:]), 0, 2)
+        x = jnp.moveaxis(x.reshape(r, m, u, *x.shape[1:]), 0, 2)
         return jax.lax.with_sharding_constraint(x, split_sh)
 
-    data = {key: split(v) for key, v in batch.items() if key.endswith("_SxL")}
-    data["loss_mask_SxL"] = data["loss_mask_SxL"].astype(bool) & (data["segments_SxL"] > 0)
-    if "old_logp_SxL" not in data:
+    data = {key: split(v) for key, v in batch.items() if key.endswith("_ZxL")}
+    data["loss_mask_ZxL"] = data["loss_mask_ZxL"].astype(bool) & (data["segments_ZxL"] > 0)
+    if "old_logp_ZxL" not in data:
         def old(mb):
-            return grpo.token_logprobs(graphdef, params, mb["tokens_SxL"], None,
-                                       segments_NxL=mb["segments_SxL"],
-                                       need_NxL=mb["loss_mask_SxL"], chunk=chunk)
-        first = k if skip_first else 0
-        flat = {key: data[key].reshape(m * k, *data[key].shape[2:])[first:]
-                for key in ("tokens_SxL", "segments_SxL", "loss_mask_SxL")}
+            return grpo.token_logprobs(graphdef, params, mb["tokens_ZxL"], None,
+                                       segments_NxL=mb["segments_ZxL"],
+                                       need_NxL=mb["loss_mask_ZxL"], chunk=chunk)
+        first = u if skip_first else 0
+        flat = {key: data[key].reshape(m * u, *data[key].shape[2:])[first:]
+                for key in ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL")}
         def old_or_skip(mb):  # a micro-batch of padding (packed batches) is skipped
-            return jax.lax.cond(jnp.any(mb["loss_mask_SxL"]), old,
-                                lambda mb: jnp.zeros(mb["loss_mask_SxL"].shape, jnp.float32),
+            return jax.lax.cond(jnp.any(mb["loss_mask_ZxL"]), old,
+                                lambda mb: jnp.zeros(mb["loss_mask_ZxL"].shape, jnp.float32),
                                 mb)
-        logp = jax.lax.map(old_or_skip, flat) if first < m * k else None
+        logp = jax.lax.map(old_or_skip, flat) if first < m * u else None
         if first:
-            zeros = jnp.zeros((first, *data["loss_mask_SxL"].shape[2:]), jnp.float32)
+            zeros = jnp.zeros((first, *data["loss_mask_ZxL"].shape[2:]), jnp.float32)
             logp = zeros if logp is None else jnp.concatenate([zeros, logp])
-        assert logp is not None  # first < m * k whenever first is 0
-        logp = logp.reshape(data["loss_mask_SxL"].shape)
-        data["old_logp_SxL"] = jax.lax.stop_gradient(
+        assert logp is not None  # first < m * u whenever first is 0
+        logp = logp.reshape(data["loss_mask_ZxL"].shape)
+        data["old_logp_ZxL"] = jax.lax.stop_gradient(
             jax.lax.with_sharding_constraint(logp, split_sh))
-    lm, seg = data["loss_mask_SxL"], data["segments_SxL"]
+    lm, seg = data["loss_mask_ZxL"], data["segments_ZxL"]
     tokens_M = jnp.sum(lm, axis=(1, 2, 3)).astype(jnp.float32)
     # An answer ends where the next column is not an answer token of the same row.
     pad = [(0, 0)] * 3 + [(0, 1)]
@@ -269,14 +269,14 @@ def _prepare(params, batch, *, graphdef, settings, mesh, chunk, skip_first=False
     return data, tokens_M, seqs_M
 
 
-def _accumulate(params, mini, tokens, seqs, *, graphdef, settings, mesh, chunk, remat=True,
+def _accumulate(params, mini, tokens, seqs, *, graphdef, settings, mesh, chunk, remat_logits=True,
                 fresh=False):
     """(grads, metrics) of one mini-batch [U, R, ...]: micro-batch gradients summed in a scan,
     each normalised by the whole mini-batch's token (or sequence) count (`fresh`: see
     `_micro_loss`)."""
     denoms = (jnp.maximum(tokens, 1.0), jnp.maximum(seqs, 1.0))
     loss_fn = functools.partial(_micro_loss, graphdef=graphdef, settings=settings, chunk=chunk,
-                                remat=remat, rows=parallel.rows_sharding(mesh))
+                                remat_logits=remat_logits, rows=parallel.rows_sharding(mesh))
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     param_sh = parallel.tree_shardings(params, mesh)
 
@@ -288,7 +288,7 @@ def _accumulate(params, mini, tokens, seqs, *, graphdef, settings, mesh, chunk, 
         return g, metrics
 
     def micro(acc, mb):  # a micro-batch of padding (packed batches) is skipped
-        g, metrics = jax.lax.cond(jnp.any(mb["loss_mask_SxL"]), grads, lambda _: zero, mb)
+        g, metrics = jax.lax.cond(jnp.any(mb["loss_mask_ZxL"]), grads, lambda _: zero, mb)
         g, metrics = jax.tree.map(jnp.add, acc, (g, metrics))
         return (jax.lax.with_sharding_constraint(g, param_sh), metrics), None
 
@@ -314,7 +314,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
     # One pass over the batch: mini-batch 0 meets only the sampling params (update 0), so its
     # old log-probs are the first update's own (not recomputed).
     batch = _packed(batch)
-    skip_first = "old_logp_SxL" not in batch and settings.epochs_per_batch == 1
+    skip_first = "old_logp_ZxL" not in batch and settings.epochs_per_batch == 1
     data, tokens_M, seqs_M = _prepare(state.params, batch, graphdef=graphdef, settings=settings,
                                       mesh=mesh, chunk=chunk, skip_first=skip_first)
 
@@ -322,7 +322,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
         params, opt_state, u = carry
         mini = jax.tree.map(lambda x: x[j], data)  # [U, R, ...]
         grads, metrics = _accumulate(params, mini, tokens_M[j], seqs_M[j], graphdef=graphdef,
-                                     settings=settings, mesh=mesh, chunk=chunk, remat=remat_logits,
+                                     settings=settings, mesh=mesh, chunk=chunk,
+                                     remat_logits=remat_logits,
                                      fresh=skip_first & (u == 0))
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["lr"] = jnp.asarray(schedule(state.step * updates_per_step + u), jnp.float32)
@@ -335,10 +336,10 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
     metrics = {key: (v[-1] if key == "lr" else jnp.mean(v)) for key, v in metrics.items()}
     metrics["tokens"] = jnp.sum(tokens_M)
     # Of the token slots the update computes: the micro-batches that hold answer tokens.
-    computed = jnp.any(data["loss_mask_SxL"], axis=(2, 3), keepdims=True)
-    metrics["batch/padding_share"] = 1.0 - (jnp.sum(computed & (data["segments_SxL"] > 0))
+    computed = jnp.any(data["loss_mask_ZxL"], axis=(2, 3), keepdims=True)
+    metrics["batch/padding_share"] = 1.0 - (jnp.sum(computed & (data["segments_ZxL"] > 0))
                                             / jnp.maximum(jnp.sum(jnp.broadcast_to(
-                                                computed, data["segments_SxL"].shape)), 1))
+                                                computed, data["segments_ZxL"].shape)), 1))
     metrics.update(_sage_metrics(batch))
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 

@@ -239,10 +239,10 @@ def residual_bytes(cfg) -> int:
     residuals), each buffer once, the parameters themselves excluded."""
     graphdef, params = models.split(make_model(cfg))
     mb = {k: jnp.asarray(v[:MICRO]) for k, v in packing.as_packed(make_batch()).items()
-          if k.endswith("_SxL")}  # the loss's per-token layout (one row per sequence)
+          if k.endswith("_ZxL")}  # the loss's per-token layout (one row per sequence)
     loss = functools.partial(update._micro_loss, graphdef=graphdef,
                              settings=settings_of(cfg), chunk=CHUNK,
-                             remat=True, rows=parallel.rows_sharding(make_mesh((1, 1, 1))))
+                             remat_logits=True, rows=parallel.rows_sharding(make_mesh((1, 1, 1))))
     _, vjp_fn = jax.vjp(lambda p: loss(p, mb, (jnp.float32(400), jnp.float32(8)))[0], params)
     seen = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)}
     total = 0
