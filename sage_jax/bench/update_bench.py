@@ -33,7 +33,7 @@ import numpy as np
 from sage_jax import config as config_lib, models
 from sage_jax.infra import parallel
 from sage_jax.bench import protocol, random_model, real, workloads
-from sage_jax.engine import sampling, update
+from sage_jax.engine import packing, sampling, update
 
 MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch
 CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
@@ -123,8 +123,8 @@ def run(args) -> None:
     batch = dict(tokens_NxL=tokens, mask_NxL=mask, loss_mask_NxL=loss_mask,
                  old_logp_NxL=np.asarray(old),
                  advantages_N=rng.standard_normal(rows).astype(np.float32))
-    if cfg.rl.padding_free:
-        batch = update.pack_batch(batch, settings)
+    batch = (update.pack_batch(batch, settings) if cfg.rl.padding_free
+             else packing.as_packed(batch))  # the update takes the packed form
     slots = loss_mask.size
     if cfg.rl.padding_free:  # the micro-batches the update computes (the others are skipped)
         m, u, r = update.layout(rows, settings)

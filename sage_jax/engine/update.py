@@ -1,6 +1,7 @@
 """The GRPO update: AdamW, and a jitted, sharded `train_step(state, batch) -> (state, metrics)`.
 
-Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
+The rows (N = B*G rows, L = prompt + answer columns; rows may be in any order), in their padded
+layout, the one callers build by hand:
   tokens_NxL     int32  the prompt, then the answer; padding before or after (positions count
                         valid tokens only, so both give the same log-probs)
   mask_NxL       bool   valid tokens (prompt and answer)
@@ -13,10 +14,12 @@ Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
   collapse_N     int8   optional: the group's first-pass status (`core.sage.COLLAPSE_*` codes:
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
-The packed form of this batch (`engine.packing`: whole rows end to end in the same number of
-sequences, of the run's longest row, per mini-batch) gives the same loss and gradients at the
-cost of the micro-batches that hold rows (one without answer tokens is skipped) and with one
-program per run; `pack_batch` makes it, `train_step` takes either.
+`train_step` takes one form, the packed one (`engine.packing`: Z sequences of L columns, whole
+rows end to end per mini-batch, `PACKED_REQUIRED` and `PACKED_OPTIONAL`): `pack_batch` packs a
+padded batch in sequences of the run's longest row (the cost follows the micro-batches that hold
+rows, one without answer tokens is skipped, and a run compiles one program);
+`packing.as_packed` keeps one row per sequence (no packing). Both give the same loss and
+gradients; the trainer builds its packed batch directly (`rl.batching.update_batch`).
 
 One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates. Mini-batch j
 holds rows j*U .. j*U+U-1 of every block of M*U rows (M mini-batches of U micro-batches), i.e.
@@ -48,8 +51,6 @@ from sage_jax.infra import parallel
 from sage_jax.engine import packing, sampling
 from sage_jax.engine.state import TrainState, master_params
 
-REQUIRED = ("tokens_NxL", "mask_NxL", "loss_mask_NxL", "advantages_N")
-OPTIONAL = ("old_logp_NxL", "ref_logp_NxL", "level_N", "collapse_N")
 PACKED_REQUIRED = ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL", "advantages_ZxL",
                    "answer_len_ZxL", "advantages_N", "answer_len_N")
 PACKED_OPTIONAL = ("old_logp_ZxL", "ref_logp_ZxL", "level_N", "collapse_N")
@@ -160,25 +161,26 @@ def pack_batch(batch: dict, settings: UpdateSettings) -> dict:
 
 
 def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
-    """Raises a ValueError naming the key if `batch` does not fit the layout above (padded or
-    packed) or the mesh."""
-    packed = packing.is_packed(batch)
-    required, optional = (PACKED_REQUIRED, PACKED_OPTIONAL) if packed else (REQUIRED, OPTIONAL)
-    tokens = "tokens_ZxL" if packed else "tokens_NxL"
+    """Raises a ValueError naming the key if `batch` is not the packed form above, or does not
+    fit the mesh."""
+    required, optional, tokens = PACKED_REQUIRED, PACKED_OPTIONAL, "tokens_ZxL"
     unknown = set(batch) - set(required) - set(optional)
     if unknown:
-        raise ValueError(f"unknown batch keys {sorted(unknown)}; valid: {required + optional}")
+        padded = " (a padded batch: pack it, `pack_batch` or `packing.as_packed`)" if any(
+            k.endswith("_NxL") for k in unknown) else ""
+        raise ValueError(f"unknown batch keys {sorted(unknown)}{padded}; valid: "
+                         f"{required + optional}")
     for key in required:
         if key not in batch:
             raise ValueError(f"batch is missing {key!r} (required: {required})")
-    ref = "ref_logp_ZxL" if packed else "ref_logp_NxL"
+    ref = "ref_logp_ZxL"
     if settings.kl_beta > 0 and ref not in batch:
         raise ValueError(f"rl.kl_beta={settings.kl_beta} needs {ref!r} in the batch")
     shape = tuple(batch[tokens].shape)
     if len(shape) != 2 or not jnp.issubdtype(batch[tokens].dtype, jnp.integer):
         raise ValueError(f"batch[{tokens!r}] must be an integer 2-D array, got "
                          f"{batch[tokens].dtype}{list(shape)}")
-    n = batch["advantages_N"].shape[0] if packed else shape[0]
+    n = batch["advantages_N"].shape[0]
     for key in required + optional:
         if key in batch and key.endswith("xL") and tuple(batch[key].shape) != shape:
             raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, expected "
@@ -189,7 +191,7 @@ def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
     parallel.check_rows(n, mesh)
     m, _, r = layout(n, settings)
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
-    if packed and shape[0] != n:
+    if shape[0] != n:
         raise ValueError(f"a packed batch has as many sequences as rows ({n}: {m} "
                          f"mini-batches of {n // m // r} micro-batches of {r}), got {shape[0]} "
                          f"(engine.packing)")
@@ -313,7 +315,6 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
     tx, schedule = make_optimizer(settings.optim, total), make_schedule(settings.optim, total)
     # One pass over the batch: mini-batch 0 meets only the sampling params (update 0), so its
     # old log-probs are the first update's own (not recomputed).
-    batch = _packed(batch)
     skip_first = "old_logp_ZxL" not in batch and settings.epochs_per_batch == 1
     data, tokens_M, seqs_M = _prepare(state.params, batch, graphdef=graphdef, settings=settings,
                                       mesh=mesh, chunk=chunk, skip_first=skip_first)
@@ -342,10 +343,6 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
                                                 computed, data["segments_ZxL"].shape)), 1))
     metrics.update(_sage_metrics(batch))
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
-
-
-def _packed(batch: dict) -> dict:
-    return batch if packing.is_packed(batch) else packing.as_packed(batch, jnp)
 
 
 def _sage_metrics(batch: dict) -> dict:

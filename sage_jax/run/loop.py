@@ -263,13 +263,12 @@ def _step(run: _Run, step: int) -> dict:
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)
     host_memory.trim()  # what sampling freed, before the update's peak
-    batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
-                                 adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
-                                 sampler_logprobs=cfg.rl.old_logprobs == "sampler"
-                                 and cfg.rl.loss_context == "hinted")
+    batch = batching.update_batch(ro, run.step_fn.settings, padding_free=cfg.rl.padding_free,
+                                  loss_context=cfg.rl.loss_context, adv_scale=cfg.rl.adv_scale,
+                                  pad_id=task.pad_id,
+                                  sampler_logprobs=cfg.rl.old_logprobs == "sampler"
+                                  and cfg.rl.loss_context == "hinted")
     with timer("update"):
-        if cfg.rl.padding_free:
-            batch = update.pack_batch(batch, run.step_fn.settings)
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))

@@ -210,7 +210,7 @@ def test_activations_match_xla_buffer_assignment(sizes):
     mesh = make_mesh(sizes)
     graphdef, state = update.init_train_state(make_model(cfg), settings_of(cfg), mesh)
     step = update.TrainStep(graphdef, settings_of(cfg), mesh, chunk=CHUNK)
-    batch = parallel.shard_batch(make_batch(), mesh)
+    batch = parallel.shard_batch(packing.as_packed(make_batch()), mesh)
     temp = step.jitted(state).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     est = estimate(cfg, sizes)
     assert abs(est.grads + est.activations - temp) <= 0.2 * temp, (temp, est)
@@ -226,7 +226,7 @@ def test_activations_of_long_rows_in_attention_blocks_match_xla(monkeypatch):
     mesh = make_mesh((1, 1, 1))
     graphdef, state = update.init_train_state(make_model(cfg), settings_of(cfg), mesh)
     step = update.TrainStep(graphdef, settings_of(cfg), mesh, chunk=CHUNK)
-    batch = parallel.shard_batch(make_batch(), mesh)
+    batch = parallel.shard_batch(packing.as_packed(make_batch()), mesh)
     temp = step.jitted(state).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     est = estimate(cfg, (1, 1, 1))
     assert abs(est.grads + est.activations - temp) <= 0.2 * temp, (temp, est)

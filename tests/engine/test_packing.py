@@ -14,7 +14,7 @@ from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import Config, DataConfig, MeshConfig, OptimConfig, RLConfig, TrainConfig
 from sage_jax.core import grpo
-from sage_jax.engine import update
+from sage_jax.engine import packing, update
 
 settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
 
@@ -136,7 +136,7 @@ def test_packed_update_equals_padded_update(agg):
 
     step = update.TrainStep(graphdef, settings_of(cfg), mesh)
     params = jax.device_get(state.params)
-    out_pad, met_pad = step(jax.tree.map(np.copy, state), batch)
+    out_pad, met_pad = step(jax.tree.map(np.copy, state), packing.as_packed(batch))
     _, state2 = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)),
                                         settings_of(cfg), mesh)
     out_pack, met_pack = step(state2, packed)
@@ -192,7 +192,7 @@ def test_packed_step_with_skipped_micro_batches_equals_padded(
         return update.TrainStep(graphdef, settings_of(cfg), mesh)(state,
                                                            parallel.shard_batch(batch, mesh))
 
-    (pad, met_pad), (pack, met_pack) = step(batch, base), step(packed, mesh)
+    (pad, met_pad), (pack, met_pack) = step(packing.as_packed(batch), base), step(packed, mesh)
     start = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)),
                                     settings_of(cfg), base)[1]
     assert max_diff(pad.params, start.params) > 1e-4  # the step moved the params

@@ -14,7 +14,7 @@ from sage_jax.rl import batching, rollout
 from sage_jax import config, models
 from sage_jax.infra import parallel
 from sage_jax.core import grpo
-from sage_jax.engine import sampling, update
+from sage_jax.engine import packing, sampling, update
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.data import Example
 
@@ -73,8 +73,9 @@ def one_step(shape):
                              num_samples=GROUP, max_new_tokens=NEW, temperature=0.0,
                              eos_ids=task.eos_ids, prompt_ids_B=idx, pad_id=task.pad_id,
                              mesh=mesh)
-    batch = batching.train_batch(ro, loss_context=CFG.rl.loss_context,
-                                 adv_scale=CFG.rl.adv_scale, pad_id=task.pad_id)
+    batch = batching.update_batch(ro, settings_of(CFG), padding_free=CFG.rl.padding_free,
+                                  loss_context=CFG.rl.loss_context, adv_scale=CFG.rl.adv_scale,
+                                  pad_id=task.pad_id)
     before = jax.tree.map(np.asarray, state.params)  # (the step donates the state)
     state, upd = update.TrainStep(graphdef, settings_of(CFG), mesh)(state,
                                                              parallel.shard_batch(batch, mesh))
@@ -166,7 +167,7 @@ def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
     np.testing.assert_allclose(given["old_logp_NxL"][loss], recomputed[loss], atol=2e-5)
     assert np.all(given["old_logp_NxL"][~loss] == 0) and np.all(recomputed[loss] < 0)
     step = update.TrainStep(graphdef, settings_of(CFG), mesh)
-    got = [step(s, parallel.shard_batch(b, mesh)) for s, b in ((state, given),
+    got = [step(s, parallel.shard_batch(packing.as_packed(b), mesh)) for s, b in ((state, given),
                                                                (fresh()[1], plain))]
     (s_given, m_given), (s_plain, m_plain) = jax.device_get(got)
     for k, v in m_plain.items():
