@@ -4,7 +4,9 @@ Runs (or resumes: re-run the same command) one training run: data -> rollout (sa
 SAGE hints) -> batch -> jitted update, with orbax checkpoints, metrics (console progress,
 DIR/metrics.jsonl, TensorBoard when installed) and sample logs (DIR/samples.jsonl).
 With no arguments it runs the built-in default, the toy job of `sage_jax/configs/toy.yaml`, into
-a fresh `runs/` folder. The loop is `sage_jax.run.loop`, the job around it `sage_jax.jobs.train_job`.
+a fresh `runs/` folder. `run(cfg, workdir)` is the same from Python: the task's default job
+(`JOBS`: the toy task's is `sage_jax.jobs.toy_job`) where it has one, else the plain training
+run `sage_jax.run.loop.train`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,21 @@ import argparse
 import datetime
 from pathlib import Path
 
-from sage_jax.infra import checkpoint, cli
+from sage_jax.infra import checkpoint, cli, compile_cache
 from sage_jax import config as config_lib
-from sage_jax.jobs import train_job
+from sage_jax.jobs import toy_job
+from sage_jax.run import loop
 from sage_jax.run.loop import TrainingError
 from sage_jax.tasks import registry
+
+JOBS = {"toy": toy_job.run}  # task.name -> its default job (which falls back to loop.train itself)
+
+
+def run(cfg, workdir) -> dict:
+    """The training job of `cfg` in `workdir` (JAX's compilation cache in
+    `train.compile_cache`); returns the last step's metrics."""
+    compile_cache.enable(cfg.train.compile_cache)
+    return JOBS.get(cfg.task.name, loop.train)(cfg, workdir)
 
 
 def parse(argv=None):
@@ -49,11 +61,11 @@ def describe(source, overrides) -> str:
 
 
 def main(argv=None):
-    def run():
+    def command():
         cfg, workdir = parse(argv)
-        return train_job.run(cfg, workdir)
+        return run(cfg, workdir)
 
-    cli.run_command(run, (ValueError, FileNotFoundError, TrainingError, checkpoint.CheckpointError))
+    cli.run_command(command, (ValueError, FileNotFoundError, TrainingError, checkpoint.CheckpointError))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import numpy as np
 from sage_jax import config as config_lib, models
 from sage_jax.infra import parallel
 from sage_jax.bench import protocol, random_model, real, workloads
-from sage_jax.engine import sampling, update
+from sage_jax.engine import packing, sampling, update
 
 MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch
 CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
@@ -115,24 +115,24 @@ def run(args) -> None:
                                padding_free=PADDING_FREE),
         data=config_lib.DataConfig(max_prompt_tokens=max(seq - t, 1)),  # packed width: seq
         mesh=config_lib.MeshConfig(data=-1))
-    mesh = parallel.make_mesh(cfg.mesh)
-    graphdef, state = update.init_train_state(model, cfg, mesh)
+    mesh, settings = parallel.make_mesh(cfg.mesh), update.UpdateSettings.of(cfg)
+    graphdef, state = update.init_train_state(model, settings, mesh)
     rng = np.random.default_rng(w["timing"].get("seed", 0))
     old = update.make_logprob_fn(graphdef, mesh, micro_batch_size=micro, chunk=CHUNK)(
         state.params, tokens, mask, loss_mask)
     batch = dict(tokens_NxL=tokens, mask_NxL=mask, loss_mask_NxL=loss_mask,
                  old_logp_NxL=np.asarray(old),
                  advantages_N=rng.standard_normal(rows).astype(np.float32))
-    if cfg.rl.padding_free:
-        batch = update.pack_batch(batch, cfg)
+    batch = (update.pack_batch(batch, settings) if cfg.rl.padding_free
+             else packing.as_packed(batch))  # the update takes the packed form
     slots = loss_mask.size
     if cfg.rl.padding_free:  # the micro-batches the update computes (the others are skipped)
-        m, u, r = update.layout(rows, cfg.rl)
-        used = batch["loss_mask_SxL"].reshape(r, m * u, -1).any(axis=(0, 2))
-        slots = int(used.sum()) * r * batch["loss_mask_SxL"].shape[1]
+        m, u, r = update.layout(rows, settings)
+        used = batch["loss_mask_ZxL"].reshape(r, m * u, -1).any(axis=(0, 2))
+        slots = int(used.sum()) * r * batch["loss_mask_ZxL"].shape[1]
     batch = parallel.shard_batch(batch, mesh)
     real_tokens = int(mask.sum())
-    step = update.TrainStep(graphdef, cfg, mesh, chunk=CHUNK, remat_logits=REMAT)
+    step = update.TrainStep(graphdef, settings, mesh, chunk=CHUNK, remat_logits=REMAT)
     losses = []
 
     def call(i):

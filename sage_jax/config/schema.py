@@ -97,6 +97,9 @@ class DataConfig(Section):
                      "must be a non-empty field name")
 
 
+HINTED_METHODS = ("sage", "sage_light")  # rl.method values that take hints (`RLConfig.hinted`)
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig(Section):
     """The RL algorithm: rollouts, rewards, advantages and the clipped policy-gradient loss."""
@@ -137,6 +140,11 @@ class RLConfig(Section):
     # in another context.
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
 
+    @property
+    def hinted(self) -> bool:
+        """Whether `method` takes hints (`HINTED_METHODS`)."""
+        return self.method in HINTED_METHODS
+
     def validate(self) -> None:
         require(self.group_size >= 2, "group_size", self.group_size,
                  "must be >= 2 (advantages compare answers within a group)")
@@ -171,7 +179,8 @@ class HintConfig(Section):
 
     # online: the current policy writes them; offline: the initial policy, once; column: a data
     # field; reference: the task's fixed rule on the reference solution (no writing); auto: the
-    # toy job's calibration gate picks online or reference (online where no gate runs).
+    # toy job's calibration gate picks online or reference (reference where the gate is off;
+    # `run.loop.train` rejects an unresolved auto).
     source: Literal["online", "offline", "column", "reference", "auto"] = "online"
     refresh_every: int = 1  # online: steps between rewrites of a prompt's hint; 0 = never.
     temperature: float = 0.0  # Sampling temperature when writing hints; 0 = greedy.
@@ -369,7 +378,7 @@ class Config(Section):
                 f"rl.micro_batch_size={rl.micro_batch_size} must divide the {sequences} "
                 f"sequences of a minibatch (rl.prompts_per_step * rl.group_size / "
                 f"rl.minibatches)")
-        hinted = rl.method in ("sage", "sage_light")
+        hinted = rl.hinted
         if hinted and self.hint.source == "column" and self.data.hint_key is None:
             raise ConfigError(
                 "hint.source='column' reads hints from the data: set data.hint_key")
@@ -378,3 +387,15 @@ class Config(Section):
             raise ConfigError(
                 f"rl.method={rl.method!r} with hint.source={self.hint.source!r} takes hints "
                 f"from reference solutions: set data.solution_key")
+
+    @property
+    def writes_hints(self) -> bool:
+        """Whether the policy writes hints during the run (a hinted method whose hint source is
+        online, offline, or auto, which may resolve to online)."""
+        return self.rl.hinted and self.hint.source in ("online", "offline", "auto")
+
+    def sample_prompt_len(self, prompt_len: int | None = None) -> int:
+        """The longest prompt the rollout samples from: `prompt_len` (default
+        data.max_prompt_tokens), plus hint.max_new_tokens for a hinted method's prompts."""
+        return ((prompt_len or self.data.max_prompt_tokens)
+                + (self.hint.max_new_tokens if self.rl.hinted else 0))

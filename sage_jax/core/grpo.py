@@ -79,7 +79,7 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
     return jnp.sum(seq_N) / d
 
 
-def policy_loss(logp_NxT, old_logp_NxT, adv_N, mask_NxT, *, clip_low: float = 0.2,
+def policy_loss(logp_NxT, old_logp_NxT, advantages, mask_NxT, *, clip_low: float = 0.2,
                 clip_high: float = 0.28, dual_clip: float = 3.0, agg: str = "token-mean",
                 denom=None, norm_len=None, token_denom=None, row_len_NxT=None):
     """PPO clipped surrogate with clip-higher and dual clip, as verl's `compute_policy_loss`.
@@ -87,8 +87,8 @@ def policy_loss(logp_NxT, old_logp_NxT, adv_N, mask_NxT, *, clip_low: float = 0.
     ratio = exp(clamp(logp - old_logp, -20, 20));
     pg = max(-A*ratio, -A*clip(ratio, 1-clip_low, 1+clip_high)); for A < 0 and dual_clip > 0,
     pg = min(pg, -A*dual_clip). Returns (loss, metrics) with the loss aggregated by `aggregate`
-    (`row_len_NxT`: packed rows, see there). `adv_N` is one advantage per row, or [N, T] one per
-    token (packed rows: each token carries its row's).
+    (`row_len_NxT`: packed rows, see there). `advantages`: one per row [N], or one per
+    token [N, T] (packed rows: each token carries its row's).
     Metrics are token fractions over `mask_NxT` (divided by `token_denom`, default the mask
     count, so micro-batch metrics add up too):
       clip/frac_low   A < 0 and the ratio was clipped at 1 - clip_low,
@@ -97,10 +97,10 @@ def policy_loss(logp_NxT, old_logp_NxT, adv_N, mask_NxT, *, clip_low: float = 0.
       kl/old_new      k3 estimate of KL(pi_old || pi_new): mean of (ratio - 1) - log(ratio).
     """
     chex.assert_equal_shape([logp_NxT, old_logp_NxT, mask_NxT])
-    chex.assert_rank(adv_N, {1, 2})
+    chex.assert_rank(advantages, {1, 2})
     log_ratio = jnp.clip(logp_NxT - old_logp_NxT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
-    a = adv_N.astype(jnp.float32)
+    a = advantages.astype(jnp.float32)
     a = a if a.ndim == 2 else a[:, None]
     pg_unclipped = -a * ratio
     pg_clipped = -a * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -148,14 +148,14 @@ def _chunk_stats(logits_fn, h_NxCxD, tokens_NxC, need_NxC):
 
 
 def logprobs_from_hidden(logits_fn, h_NxLxD, tokens_NxL, need_NxL, *, chunk: int | None = 256,
-                         remat: bool = True):
+                         remat_logits: bool = True):
     """(logp_NxL, entropy_NxL): column t is log p(tokens[t] | <t) and the entropy of that
     next-token distribution, from the final hidden states h (position t-1 predicts token t).
 
     Column 0 and columns where `need_NxL` is False are 0. With `chunk`, the logits are made
-    C columns at a time inside a `lax.scan` whose body is `jax.checkpoint`ed (`remat`), so
+    C columns at a time inside a `lax.scan` whose body is `jax.checkpoint`ed (`remat_logits`), so
     neither the forward nor the backward pass ever holds more than [N, C, V] float32 logits;
-    chunks without a needed column (e.g. the prompt) are skipped. `remat=False` keeps each
+    chunks without a needed column (e.g. the prompt) are skipped. `remat_logits=False` keeps each
     chunk's logits for the backward pass instead of recomputing them (faster, more memory).
     `chunk=None` computes all columns at once. Entropies carry no gradient.
     """
@@ -178,7 +178,7 @@ def logprobs_from_hidden(logits_fn, h_NxLxD, tokens_NxL, need_NxL, *, chunk: int
             lambda: (jnp.zeros(need_c.shape, jnp.float32),) * 2)
         return carry, out
 
-    _, (logp, ent) = jax.lax.scan(jax.checkpoint(body) if remat else body, None,
+    _, (logp, ent) = jax.lax.scan(jax.checkpoint(body) if remat_logits else body, None,
                                   (chunks(h_prev), chunks(tokens_NxL), chunks(need)))
 
     def unchunk(x):  # [nc, N, C] -> [N, L]

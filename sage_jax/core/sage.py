@@ -1,7 +1,7 @@
 """SAGE building blocks: group status, hint payload parsing, per-prompt hint levels.
 
 Everything here is a pure function of arrays or strings; `rollout.py` wires them to the sampler.
-Shapes: B prompts in the step, G answers per prompt, M prompts in the dataset.
+Shapes: B prompts in the step, G answers per prompt, E training examples (the dataset's prompts).
 """
 
 from __future__ import annotations
@@ -148,15 +148,15 @@ def read_payload(text: str, leaks: Callable[[str], bool]) -> tuple[dict[int, str
 
 # ---- SAGE-light levels ----------------------------------------------------------------------
 
-def sage_light_levels(level_M, last_acc_M, seen_M, *, low: float = 0.1, high: float = 0.35,
+def sage_light_levels(level_E, last_acc_E, seen_E, *, low: float = 0.1, high: float = 0.35,
                       max_level: int = 3):
     """Next per-prompt hint levels: none the first time; +1 when acc <= low, -1 when acc > high."""
-    level = np.asarray(level_M, np.int32)
-    acc = np.asarray(last_acc_M, np.float32)
-    up = np.asarray(seen_M) & (acc <= low)
-    down = np.asarray(seen_M) & (acc > high)
+    level = np.asarray(level_E, np.int32)
+    acc = np.asarray(last_acc_E, np.float32)
+    up = np.asarray(seen_E) & (acc <= low)
+    down = np.asarray(seen_E) & (acc > high)
     new = np.clip(level + up.astype(np.int32) - down.astype(np.int32), 0, max_level)
-    return np.where(np.asarray(seen_M), new, 0).astype(np.int8)
+    return np.where(np.asarray(seen_E), new, 0).astype(np.int8)
 
 
 # ---- hint cache as arrays -------------------------------------------------------------------

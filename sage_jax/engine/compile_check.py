@@ -70,23 +70,17 @@ class RunShapes:
     hint_tokens: int
 
 
-def writes_hints(cfg: Config) -> bool:
-    """Whether the policy writes hints during the run (SAGE methods, online/offline source)."""
-    return cfg.rl.method in ("sage", "sage_light") and cfg.hint.source in (
-        "online", "offline", "auto")
-
-
 def run_shapes(cfg: Config, prompt_len: int | None = None) -> RunShapes:
     """`RunShapes` of `cfg`; `prompt_len`: the longest rendered prompt the rollout samples
     (default data.max_prompt_tokens), to which hinted prompts add hint.max_new_tokens. The
     update's rows are the trainer's packed width (`update.row_len`)."""
     b, rows = cfg.rl.prompts_per_step, cfg.rl.rollout_micro_batch_size
     return RunShapes(
-        prompts=b, group=cfg.rl.group_size, prompt_len=update.sample_prompt_len(cfg, prompt_len),
+        prompts=b, group=cfg.rl.group_size, prompt_len=cfg.sample_prompt_len(prompt_len),
         sample_prompts=b if rows is None else min(b, rows // cfg.rl.group_size),
         max_new_tokens=cfg.rl.max_new_tokens,
         row_len=update.row_len(cfg),  # the trainer's packed width, whatever the prompts
-        hint_prompts=cfg.rl.prompts_per_step if writes_hints(cfg) else 0,
+        hint_prompts=cfg.rl.prompts_per_step if cfg.writes_hints else 0,
         hint_request_len=cfg.hint.max_request_tokens, hint_tokens=cfg.hint.max_new_tokens)
 
 
@@ -217,7 +211,7 @@ def abstract_model(model_cfg: models.DecoderConfig, cfg: Config) -> tuple:
 def abstract_state(params, cfg: Config, mesh: Mesh) -> TrainState:
     """The run's `TrainState` (params as the trainer keeps them, AdamW of `cfg.optim`), as
     ShapeDtypeStructs placed by the partition rules."""
-    state = jax.eval_shape(lambda p: update.new_state(p, cfg), params)
+    state = jax.eval_shape(lambda p: update.new_state(p, update.UpdateSettings.of(cfg)), params)
     return _with(state, parallel.tree_shardings(state, mesh))
 
 
@@ -225,12 +219,12 @@ def abstract_batch(cfg: Config, shapes: RunShapes, mesh: Mesh) -> dict:
     """The update's packed batch at its worst: every row alone in a sequence of L columns."""
     n, length = shapes.prompts * shapes.group, shapes.row_len
     rows = parallel.rows_sharding(mesh)
-    token = {"tokens_SxL": jnp.int32, "segments_SxL": jnp.int32, "loss_mask_SxL": jnp.bool_,
-             "advantages_SxL": jnp.float32, "answer_len_SxL": jnp.float32}
+    token = {"tokens_ZxL": jnp.int32, "segments_ZxL": jnp.int32, "loss_mask_ZxL": jnp.bool_,
+             "advantages_ZxL": jnp.float32, "answer_len_ZxL": jnp.float32}
     if cfg.rl.old_logprobs == "sampler" and cfg.rl.loss_context == "hinted":
-        token["old_logp_SxL"] = jnp.float32
+        token["old_logp_ZxL"] = jnp.float32
     if cfg.rl.kl_beta > 0:
-        token["ref_logp_SxL"] = jnp.float32
+        token["ref_logp_ZxL"] = jnp.float32
     batch = {k: _abstract((n, length), dt, rows) for k, dt in token.items()}
     per_row = {"advantages_N": jnp.float32, "answer_len_N": jnp.float32, "level_N": jnp.int8,
                "collapse_N": jnp.int8}
@@ -301,7 +295,7 @@ def _roofline(prog: Program, chip: hardware.Chip, devices: int) -> None:
 
 def train_program(graphdef, state: TrainState, cfg: Config, mesh: Mesh, shapes: RunShapes
                   ) -> Program:
-    step = update.TrainStep(graphdef, cfg, mesh)
+    step = update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh)
     return compile_one("train_step", step.jitted(state), (state, abstract_batch(cfg, shapes, mesh)))
 
 

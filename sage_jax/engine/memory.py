@@ -1,9 +1,10 @@
 """Per-device memory of a training run, estimated without allocating anything.
 
-Shapes: P prompts per step, G answers each, N = P*G rows, R rows per micro-batch, L columns of a
-training row (prompt bucket + max_new_tokens), D hidden, Nh query heads, K kv heads, H head dim,
-F MLP width, V vocab, C log-prob chunk. "/tp" means split over the mesh's tensor axis when that
-divides the dimension (else whole, as `parallel.spec_for` does); rows are split over data*fsdp.
+Shapes (the README's alphabet): B prompts per step, G answers each, N = B*G rows, R rows per
+micro-batch, L columns of a training row (prompt bucket + max_new_tokens), D hidden, Q query
+heads, K kv heads, H head dim, F MLP width, V vocab, C log-prob chunk. "/tp" means split over
+the mesh's tensor axis when that divides the dimension (else whole, as `parallel.spec_for`
+does); rows are split over data*fsdp.
 
 The state's bytes are exact: the real `TrainState` (params, AdamW state) is built abstractly with
 `nnx.eval_shape`/`jax.eval_shape` and every leaf is sized by the real partition rules
@@ -55,11 +56,11 @@ class Estimate:
       (`placement.sampler_params`): the state's params, matrices cast to the compute dtype,
       regathered over fsdp, still split over tensor (`placement.SAMPLER_RULES`); 0 with
       fsdp = 1 and nothing to cast, where the state's own arrays are used.
-    kv_cache: the sampler's prompt cache [P', P'', K/tp, H] and generated-token cache
-      [P', K/tp, G, H, S] per layer (k and v), in the model dtype, P' = batch bucket of P prompts
-      split over data*fsdp, P'' = prompt bucket, S = max_new_tokens - 1 rounded up to 8 (the
+    kv_cache: the sampler's prompt cache [B', P', K/tp, H] and generated-token cache
+      [B', K/tp, G, H, S] per layer (k and v), in the model dtype, B' = batch bucket of B prompts
+      split over data*fsdp, P' = prompt bucket, S = max_new_tokens - 1 rounded up to 8 (the
       size the cache grows to while rows keep running).
-    sampler_work: the largest transient of a sampling call: the decode start's [P'*G, V]
+    sampler_work: the largest transient of a sampling call: the decode start's [B'*G, V]
       float32 logits, the prefill's chunk of attention scores, one layer's half-size cache
       alive while that layer's cache doubles to S, or one layer of fewer rows (one per group,
       prompt copied) built while the old one lives (regrouping goes layer by layer, each old

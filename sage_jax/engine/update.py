@@ -1,6 +1,7 @@
 """The GRPO update: AdamW, and a jitted, sharded `train_step(state, batch) -> (state, metrics)`.
 
-Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
+The rows (N = B*G rows, L = prompt + answer columns; rows may be in any order), in their padded
+layout, the one callers build by hand:
   tokens_NxL     int32  the prompt, then the answer; padding before or after (positions count
                         valid tokens only, so both give the same log-probs)
   mask_NxL       bool   valid tokens (prompt and answer)
@@ -13,10 +14,12 @@ Batch (N = B*G rows, L = prompt + answer columns; rows may be in any order):
   collapse_N     int8   optional: the group's first-pass status (`core.sage.COLLAPSE_*` codes:
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
-The packed form of this batch (`engine.packing`: whole rows end to end in the same number of
-sequences, of the run's longest row, per mini-batch) gives the same loss and gradients at the
-cost of the micro-batches that hold rows (one without answer tokens is skipped) and with one
-program per run; `pack_batch` makes it, `train_step` takes either.
+`train_step` takes one form, the packed one (`engine.packing`: Z sequences of L columns, whole
+rows end to end per mini-batch, `PACKED_REQUIRED` and `PACKED_OPTIONAL`): `pack_batch` packs a
+padded batch in sequences of the run's longest row (the cost follows the micro-batches that hold
+rows, one without answer tokens is skipped, and a run compiles one program);
+`packing.as_packed` keeps one row per sequence (no packing). Both give the same loss and
+gradients; the trainer builds its packed batch directly (`rl.batching.update_batch`).
 
 One step = `rl.epochs_per_batch` passes over `rl.minibatches` optimiser updates. Mini-batch j
 holds rows j*U .. j*U+U-1 of every block of M*U rows (M mini-batches of U micro-batches), i.e.
@@ -31,7 +34,9 @@ on the sampling params: its old log-probs are that update's own (stop-gradient),
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,24 +44,58 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sage_jax.config import Config, OptimConfig, RLConfig
+from sage_jax.config import Config, OptimConfig
 from sage_jax.core import grpo, sage
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.engine import packing, sampling
 from sage_jax.engine.state import TrainState, master_params
 
-REQUIRED = ("tokens_NxL", "mask_NxL", "loss_mask_NxL", "advantages_N")
-OPTIONAL = ("old_logp_NxL", "ref_logp_NxL", "level_N", "collapse_N")
-PACKED_REQUIRED = ("tokens_SxL", "segments_SxL", "loss_mask_SxL", "advantages_SxL",
-                   "answer_len_SxL", "advantages_N", "answer_len_N")
-PACKED_OPTIONAL = ("old_logp_SxL", "ref_logp_SxL", "level_N", "collapse_N")
+PACKED_REQUIRED = ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL", "advantages_ZxL",
+                   "answer_len_ZxL", "advantages_N", "answer_len_N")
+PACKED_OPTIONAL = ("old_logp_ZxL", "ref_logp_ZxL", "level_N", "collapse_N")
 DEFAULT_CHUNK = 256  # Sequence columns per chunk of logits in the loss.
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """The settings the update reads; `of(cfg)` takes them from a run's config."""
+
+    minibatches: int  # rl.minibatches: M optimiser updates per pass
+    micro_batch_size: int | None  # rl.micro_batch_size: rows per micro-batch (None: all)
+    epochs_per_batch: int  # rl.epochs_per_batch: passes over a step's batch
+    clip_low: float  # rl.clip_low, rl.clip_high, rl.dual_clip: the clipped objective
+    clip_high: float
+    dual_clip: float
+    kl_beta: float  # rl.kl_beta: weight of the KL to the reference (0: none)
+    loss_agg: str  # rl.loss_agg
+    norm_len: int  # rl.max_new_tokens: the length seq-mean-token-sum-norm divides by
+    row_len: int  # columns of every packed sequence (`row_len`)
+    optim: OptimConfig
+    total_updates: int  # optimiser updates in the whole run (the lr schedule's length)
+    seed: int  # train.seed: the state's rng
+    master_fp32: bool  # model.master_fp32: float32 master params
+
+    @classmethod
+    def of(cls, cfg: Config) -> UpdateSettings:
+        rl = cfg.rl
+        return cls(minibatches=rl.minibatches, micro_batch_size=rl.micro_batch_size,
+                   epochs_per_batch=rl.epochs_per_batch, clip_low=rl.clip_low,
+                   clip_high=rl.clip_high, dual_clip=rl.dual_clip, kl_beta=rl.kl_beta,
+                   loss_agg=rl.loss_agg, norm_len=rl.max_new_tokens, row_len=row_len(cfg),
+                   optim=cfg.optim, total_updates=total_updates(cfg), seed=cfg.train.seed,
+                   master_fp32=cfg.model.master_fp32)
 
 
 def total_updates(cfg: Config) -> int:
     """Optimiser updates in a whole run: train.steps * rl.minibatches * rl.epochs_per_batch."""
     return max(cfg.train.steps * cfg.rl.minibatches * cfg.rl.epochs_per_batch, 1)
+
+
+def row_len(cfg: Config) -> int:
+    """Columns of the run's longest training row (`Config.sample_prompt_len` and the longest
+    answer), as `sampling.length_bucket` pads it: the width of every packed batch."""
+    return sampling.length_bucket(cfg.sample_prompt_len() + cfg.rl.max_new_tokens)
 
 
 def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -81,79 +120,67 @@ def make_optimizer(optim_cfg: OptimConfig, total_steps: int) -> optax.GradientTr
     return optax.chain(optax.clip_by_global_norm(optim_cfg.grad_clip), adamw)
 
 
-def init_train_state(model: models.Decoder, cfg: Config, mesh: Mesh
+def init_train_state(model: models.Decoder, settings: UpdateSettings, mesh: Mesh
                      ) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, TrainState) for `model` at step 0, params and optimiser state placed on
     `mesh` by the partition rules (rng from train.seed)."""
     graphdef, params = models.split(model)
-    init = functools.partial(new_state, cfg=cfg)
+    init = functools.partial(new_state, settings=settings)
     shardings = parallel.tree_shardings(jax.eval_shape(init, params), mesh)
     return graphdef, jax.jit(init, out_shardings=shardings)(params)
 
 
-def new_state(params: nnx.State, cfg: Config) -> TrainState:
+def new_state(params: nnx.State, settings: UpdateSettings) -> TrainState:
     """The `TrainState` at step 0 of the model parameters `params` (float32 masters with
-    model.master_fp32, AdamW of `cfg.optim`, rng from train.seed); pure, for jit or eval_shape."""
-    params = master_params(params, cfg.model.master_fp32)
-    return TrainState(params=params,
-                      opt_state=make_optimizer(cfg.optim, total_updates(cfg)).init(params),
-                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(cfg.train.seed),
+    model.master_fp32, AdamW of `optim`, rng from train.seed); pure, for jit or eval_shape."""
+    params = master_params(params, settings.master_fp32)
+    opt = make_optimizer(settings.optim, settings.total_updates)
+    return TrainState(params=params, opt_state=opt.init(params),
+                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(settings.seed),
                       data_position=jnp.zeros((), jnp.int32))
 
 
-def layout(n: int, rl: RLConfig) -> tuple[int, int, int]:
+def layout(n: int, settings: UpdateSettings) -> tuple[int, int, int]:
     """(minibatches M, micro-batches per mini-batch U, rows per micro-batch R) for N rows."""
-    m = rl.minibatches
+    m = settings.minibatches
     if n % m:
         raise ValueError(f"batch has {n} rows, not divisible by rl.minibatches={m}")
-    r = min(rl.micro_batch_size or n // m, n // m)  # a smaller mini-batch is one pass
+    r = min(settings.micro_batch_size or n // m, n // m)  # a smaller mini-batch is one pass
     if (n // m) % r:
         raise ValueError(f"rl.micro_batch_size={r} does not divide the {n // m} rows of a "
                          f"mini-batch ({n} rows / rl.minibatches={m})")
     return m, n // m // r, r
 
 
-def sample_prompt_len(cfg: Config, prompt_len: int | None = None) -> int:
-    """The longest prompt the rollout samples from: `prompt_len` (default
-    data.max_prompt_tokens), plus hint.max_new_tokens for SAGE's hinted prompts."""
-    hinted = cfg.rl.method in ("sage", "sage_light")
-    return (prompt_len or cfg.data.max_prompt_tokens) + (cfg.hint.max_new_tokens if hinted else 0)
-
-
-def row_len(cfg: Config) -> int:
-    """Columns of the run's longest training row (`sample_prompt_len` and the longest answer),
-    as `sampling.length_bucket` pads it: the width of every packed batch."""
-    return sampling.length_bucket(sample_prompt_len(cfg) + cfg.rl.max_new_tokens)
-
-
-def pack_batch(batch: dict, cfg: Config) -> dict:
-    """The packed form (`engine.packing`) of a padded numpy batch, for `cfg`'s mini-batches,
-    in sequences of the run's longest row (`row_len`): every step's batch has one shape."""
-    m, u, r = layout(len(batch["advantages_N"]), cfg.rl)
+def pack_batch(batch: dict, settings: UpdateSettings) -> dict:
+    """The packed form (`engine.packing`) of a padded numpy batch, for the run's mini-batches,
+    in sequences of its longest row (`row_len`): every step's batch has one shape."""
+    m, u, r = layout(len(batch["advantages_N"]), settings)
     return packing.pack(batch, minibatches=m, micro_batches=u, micro_rows=r,
-                        width=row_len(cfg))
+                        width=settings.row_len)
 
 
-def check_batch(batch: dict, cfg: Config, mesh: Mesh) -> None:
-    """Raises a ValueError naming the key if `batch` does not fit the layout above (padded or
-    packed) or the mesh."""
-    packed = packing.is_packed(batch)
-    required, optional = (PACKED_REQUIRED, PACKED_OPTIONAL) if packed else (REQUIRED, OPTIONAL)
-    tokens = "tokens_SxL" if packed else "tokens_NxL"
+def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
+    """Raises a ValueError naming the key if `batch` is not the packed form above, or does not
+    fit the mesh."""
+    required, optional, tokens = PACKED_REQUIRED, PACKED_OPTIONAL, "tokens_ZxL"
     unknown = set(batch) - set(required) - set(optional)
     if unknown:
-        raise ValueError(f"unknown batch keys {sorted(unknown)}; valid: {required + optional}")
+        padded = " (a padded batch: pack it, `pack_batch` or `packing.as_packed`)" if any(
+            k.endswith("_NxL") for k in unknown) else ""
+        raise ValueError(f"unknown batch keys {sorted(unknown)}{padded}; valid: "
+                         f"{required + optional}")
     for key in required:
         if key not in batch:
             raise ValueError(f"batch is missing {key!r} (required: {required})")
-    ref = "ref_logp_SxL" if packed else "ref_logp_NxL"
-    if cfg.rl.kl_beta > 0 and ref not in batch:
-        raise ValueError(f"rl.kl_beta={cfg.rl.kl_beta} needs {ref!r} in the batch")
+    ref = "ref_logp_ZxL"
+    if settings.kl_beta > 0 and ref not in batch:
+        raise ValueError(f"rl.kl_beta={settings.kl_beta} needs {ref!r} in the batch")
     shape = tuple(batch[tokens].shape)
     if len(shape) != 2 or not jnp.issubdtype(batch[tokens].dtype, jnp.integer):
         raise ValueError(f"batch[{tokens!r}] must be an integer 2-D array, got "
                          f"{batch[tokens].dtype}{list(shape)}")
-    n = batch["advantages_N"].shape[0] if packed else shape[0]
+    n = batch["advantages_N"].shape[0]
     for key in required + optional:
         if key in batch and key.endswith("xL") and tuple(batch[key].shape) != shape:
             raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, expected "
@@ -162,77 +189,80 @@ def check_batch(batch: dict, cfg: Config, mesh: Mesh) -> None:
             raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, "
                              f"expected [{n}]")
     parallel.check_rows(n, mesh)
-    m, _, r = layout(n, cfg.rl)
+    m, _, r = layout(n, settings)
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
-    if packed and shape[0] != n:
+    if shape[0] != n:
         raise ValueError(f"a packed batch has as many sequences as rows ({n}: {m} "
                          f"mini-batches of {n // m // r} micro-batches of {r}), got {shape[0]} "
                          f"(engine.packing)")
 
 
-def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, rl, chunk, remat, rows):
+def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, settings: UpdateSettings, chunk,
+                remat_logits, rows):
     """(loss, metrics) of one micro-batch; losses and metrics add up over a mini-batch.
     `fresh`: `params` are the ones the answers were sampled with, so the old log-probs are the
     current ones (not recomputed: the ratio is exactly 1)."""
     tok_denom, seq_denom = denoms
-    loss_mask = mb["loss_mask_SxL"]
+    loss_mask = mb["loss_mask_ZxL"]
     model = nnx.merge(graphdef, params)
     h = jax.lax.with_sharding_constraint(
-        model.hidden(mb["tokens_SxL"], segments_BxT=mb["segments_SxL"]),
+        model.hidden(mb["tokens_ZxL"], segments_BxT=mb["segments_ZxL"]),
         rows)  # keep rows split (not D) for the logits
-    logp, ent = grpo.logprobs_from_hidden(model.logits, h, mb["tokens_SxL"], loss_mask,
-                                          chunk=chunk, remat=remat)
-    agg = dict(agg=rl.loss_agg, norm_len=rl.max_new_tokens, row_len_NxT=mb["answer_len_SxL"],
-               denom=tok_denom if rl.loss_agg == "token-mean" else seq_denom)
-    old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_SxL"])
-    pg, metrics = grpo.policy_loss(logp, old, mb["advantages_SxL"], loss_mask,
-                                   clip_low=rl.clip_low, clip_high=rl.clip_high,
-                                   dual_clip=rl.dual_clip, token_denom=tok_denom, **agg)
+    logp, ent = grpo.logprobs_from_hidden(model.logits, h, mb["tokens_ZxL"], loss_mask,
+                                          chunk=chunk, remat_logits=remat_logits)
+    agg: dict[str, Any] = dict(agg=settings.loss_agg, norm_len=settings.norm_len,
+                               row_len_NxT=mb["answer_len_ZxL"],
+                               denom=tok_denom if settings.loss_agg == "token-mean"
+                               else seq_denom)
+    old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_ZxL"])
+    pg, metrics = grpo.policy_loss(logp, old, mb["advantages_ZxL"], loss_mask,
+                                   clip_low=settings.clip_low, clip_high=settings.clip_high,
+                                   dual_clip=settings.dual_clip, token_denom=tok_denom, **agg)
     loss = pg
-    if rl.kl_beta > 0:
-        kl = grpo.aggregate(grpo.kl_k3(logp, mb["ref_logp_SxL"]), loss_mask, **agg)
-        loss = loss + rl.kl_beta * kl
+    if settings.kl_beta > 0:
+        kl = grpo.aggregate(grpo.kl_k3(logp, mb["ref_logp_ZxL"]), loss_mask, **agg)
+        loss = loss + settings.kl_beta * kl
         metrics["kl/ref"] = jax.lax.stop_gradient(kl)
     metrics.update(loss=jax.lax.stop_gradient(loss), pg_loss=jax.lax.stop_gradient(pg),
                    entropy=jnp.sum(jnp.where(loss_mask, ent, 0.0)) / tok_denom)
     return loss, metrics
 
 
-def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
+def _prepare(params, batch, *, graphdef, settings, mesh, chunk, skip_first=False):
     """The per-token arrays of a packed batch split to [M, U, R, ...] (sequence
     r*M*U + j*U + i -> [j, i, r]), with old log-probs (recomputed from `params` when absent;
     with `skip_first`, not for mini-batch 0, which the first update takes fresh), and
     per-mini-batch answer-token and answer counts."""
-    m, k, r = layout(batch["advantages_N"].shape[0], rl)
+    m, u, r = layout(batch["advantages_N"].shape[0], settings)
     split_sh = NamedSharding(mesh, P(None, None, parallel.ROWS))
 
     def split(x):
-        x = jnp.moveaxis(x.reshape(r, m, k, *x.shape[1:]), 0, 2)
+        x = jnp.moveaxis(x.reshape(r, m, u, *x.shape[1:]), 0, 2)
         return jax.lax.with_sharding_constraint(x, split_sh)
 
-    data = {key: split(v) for key, v in batch.items() if key.endswith("_SxL")}
-    data["loss_mask_SxL"] = data["loss_mask_SxL"].astype(bool) & (data["segments_SxL"] > 0)
-    if "old_logp_SxL" not in data:
+    data = {key: split(v) for key, v in batch.items() if key.endswith("_ZxL")}
+    data["loss_mask_ZxL"] = data["loss_mask_ZxL"].astype(bool) & (data["segments_ZxL"] > 0)
+    if "old_logp_ZxL" not in data:
         def old(mb):
-            return grpo.token_logprobs(graphdef, params, mb["tokens_SxL"], None,
-                                       segments_NxL=mb["segments_SxL"],
-                                       need_NxL=mb["loss_mask_SxL"], chunk=chunk)
-        first = k if skip_first else 0
-        flat = {key: data[key].reshape(m * k, *data[key].shape[2:])[first:]
-                for key in ("tokens_SxL", "segments_SxL", "loss_mask_SxL")}
+            return grpo.token_logprobs(graphdef, params, mb["tokens_ZxL"], None,
+                                       segments_NxL=mb["segments_ZxL"],
+                                       need_NxL=mb["loss_mask_ZxL"], chunk=chunk)
+        first = u if skip_first else 0
+        flat = {key: data[key].reshape(m * u, *data[key].shape[2:])[first:]
+                for key in ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL")}
         def old_or_skip(mb):  # a micro-batch of padding (packed batches) is skipped
-            return jax.lax.cond(jnp.any(mb["loss_mask_SxL"]), old,
-                                lambda mb: jnp.zeros(mb["loss_mask_SxL"].shape, jnp.float32),
+            return jax.lax.cond(jnp.any(mb["loss_mask_ZxL"]), old,
+                                lambda mb: jnp.zeros(mb["loss_mask_ZxL"].shape, jnp.float32),
                                 mb)
-        logp = jax.lax.map(old_or_skip, flat) if first < m * k else None
+        logp = jax.lax.map(old_or_skip, flat) if first < m * u else None
         if first:
-            zeros = jnp.zeros((first, *data["loss_mask_SxL"].shape[2:]), jnp.float32)
+            zeros = jnp.zeros((first, *data["loss_mask_ZxL"].shape[2:]), jnp.float32)
             logp = zeros if logp is None else jnp.concatenate([zeros, logp])
-        assert logp is not None  # first < m * k whenever first is 0
-        logp = logp.reshape(data["loss_mask_SxL"].shape)
-        data["old_logp_SxL"] = jax.lax.stop_gradient(
+        assert logp is not None  # first < m * u whenever first is 0
+        logp = logp.reshape(data["loss_mask_ZxL"].shape)
+        data["old_logp_ZxL"] = jax.lax.stop_gradient(
             jax.lax.with_sharding_constraint(logp, split_sh))
-    lm, seg = data["loss_mask_SxL"], data["segments_SxL"]
+    lm, seg = data["loss_mask_ZxL"], data["segments_ZxL"]
     tokens_M = jnp.sum(lm, axis=(1, 2, 3)).astype(jnp.float32)
     # An answer ends where the next column is not an answer token of the same row.
     pad = [(0, 0)] * 3 + [(0, 1)]
@@ -241,14 +271,14 @@ def _prepare(params, batch, *, graphdef, rl, mesh, chunk, skip_first=False):
     return data, tokens_M, seqs_M
 
 
-def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=True,
+def _accumulate(params, mini, tokens, seqs, *, graphdef, settings, mesh, chunk, remat_logits=True,
                 fresh=False):
     """(grads, metrics) of one mini-batch [U, R, ...]: micro-batch gradients summed in a scan,
     each normalised by the whole mini-batch's token (or sequence) count (`fresh`: see
     `_micro_loss`)."""
     denoms = (jnp.maximum(tokens, 1.0), jnp.maximum(seqs, 1.0))
-    loss_fn = functools.partial(_micro_loss, graphdef=graphdef, rl=rl, chunk=chunk, remat=remat,
-                                rows=parallel.rows_sharding(mesh))
+    loss_fn = functools.partial(_micro_loss, graphdef=graphdef, settings=settings, chunk=chunk,
+                                remat_logits=remat_logits, rows=parallel.rows_sharding(mesh))
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     param_sh = parallel.tree_shardings(params, mesh)
 
@@ -260,15 +290,15 @@ def _accumulate(params, mini, tokens, seqs, *, graphdef, rl, mesh, chunk, remat=
         return g, metrics
 
     def micro(acc, mb):  # a micro-batch of padding (packed batches) is skipped
-        g, metrics = jax.lax.cond(jnp.any(mb["loss_mask_SxL"]), grads, lambda _: zero, mb)
+        g, metrics = jax.lax.cond(jnp.any(mb["loss_mask_ZxL"]), grads, lambda _: zero, mb)
         g, metrics = jax.tree.map(jnp.add, acc, (g, metrics))
         return (jax.lax.with_sharding_constraint(g, param_sh), metrics), None
 
     return jax.lax.scan(micro, zero, mini)[0]
 
 
-def train_step(state: TrainState, batch: dict, *, graphdef, cfg: Config, mesh: Mesh,
-               chunk: int | None = DEFAULT_CHUNK, remat_logits: bool = True):
+def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSettings,
+               mesh: Mesh, chunk: int | None = DEFAULT_CHUNK, remat_logits: bool = True):
     """(state, batch) -> (state', metrics): one GRPO training step (pure; jit it).
 
     Metrics (means over the step's optimiser updates): loss, pg_loss, grad_norm (before
@@ -280,44 +310,39 @@ def train_step(state: TrainState, batch: dict, *, graphdef, cfg: Config, mesh: M
     zero before hints (batch/rescued_token_frac: the tokens SAGE's re-sampling brought back
     into the gradient), and the mean |advantage| over those rows (batch/hinted_abs_adv).
     """
-    rl = cfg.rl
-    updates_per_step = rl.minibatches * rl.epochs_per_batch
-    total = total_updates(cfg)
-    tx, schedule = make_optimizer(cfg.optim, total), make_schedule(cfg.optim, total)
+    updates_per_step = settings.minibatches * settings.epochs_per_batch
+    total = settings.total_updates
+    tx, schedule = make_optimizer(settings.optim, total), make_schedule(settings.optim, total)
     # One pass over the batch: mini-batch 0 meets only the sampling params (update 0), so its
     # old log-probs are the first update's own (not recomputed).
-    batch = _packed(batch)
-    skip_first = "old_logp_SxL" not in batch and rl.epochs_per_batch == 1
-    data, tokens_M, seqs_M = _prepare(state.params, batch, graphdef=graphdef, rl=rl, mesh=mesh,
-                                      chunk=chunk, skip_first=skip_first)
+    skip_first = "old_logp_ZxL" not in batch and settings.epochs_per_batch == 1
+    data, tokens_M, seqs_M = _prepare(state.params, batch, graphdef=graphdef, settings=settings,
+                                      mesh=mesh, chunk=chunk, skip_first=skip_first)
 
     def update(carry, j):
         params, opt_state, u = carry
         mini = jax.tree.map(lambda x: x[j], data)  # [U, R, ...]
         grads, metrics = _accumulate(params, mini, tokens_M[j], seqs_M[j], graphdef=graphdef,
-                                     rl=rl, mesh=mesh, chunk=chunk, remat=remat_logits,
+                                     settings=settings, mesh=mesh, chunk=chunk,
+                                     remat_logits=remat_logits,
                                      fresh=skip_first & (u == 0))
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["lr"] = jnp.asarray(schedule(state.step * updates_per_step + u), jnp.float32)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, u + 1), metrics
 
-    order = jnp.tile(jnp.arange(rl.minibatches), rl.epochs_per_batch)
+    order = jnp.tile(jnp.arange(settings.minibatches), settings.epochs_per_batch)
     (params, opt_state, _), metrics = jax.lax.scan(
         update, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), order)
     metrics = {key: (v[-1] if key == "lr" else jnp.mean(v)) for key, v in metrics.items()}
     metrics["tokens"] = jnp.sum(tokens_M)
     # Of the token slots the update computes: the micro-batches that hold answer tokens.
-    computed = jnp.any(data["loss_mask_SxL"], axis=(2, 3), keepdims=True)
-    metrics["batch/padding_share"] = 1.0 - (jnp.sum(computed & (data["segments_SxL"] > 0))
+    computed = jnp.any(data["loss_mask_ZxL"], axis=(2, 3), keepdims=True)
+    metrics["batch/padding_share"] = 1.0 - (jnp.sum(computed & (data["segments_ZxL"] > 0))
                                             / jnp.maximum(jnp.sum(jnp.broadcast_to(
-                                                computed, data["segments_SxL"].shape)), 1))
+                                                computed, data["segments_ZxL"].shape)), 1))
     metrics.update(_sage_metrics(batch))
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
-
-
-def _packed(batch: dict) -> dict:
-    return batch if packing.is_packed(batch) else packing.as_packed(batch, jnp)
 
 
 def _sage_metrics(batch: dict) -> dict:
@@ -346,9 +371,9 @@ class TrainStep:
     each chunk's logits in the backward pass (memory [R, C, V] instead of [R, L, V] floats for
     R rows per micro-batch)."""
 
-    def __init__(self, graphdef, cfg: Config, mesh: Mesh, *, chunk: int | None = DEFAULT_CHUNK,
-                 remat_logits: bool = True):
-        self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
+    def __init__(self, graphdef, settings: UpdateSettings, mesh: Mesh, *,
+                 chunk: int | None = DEFAULT_CHUNK, remat_logits: bool = True):
+        self.graphdef, self.settings, self.mesh = graphdef, settings, mesh
         self.chunk, self.remat_logits = chunk, remat_logits
         self._jitted = {}
 
@@ -356,7 +381,7 @@ class TrainStep:
         """The jitted function for states shaped like `state` (for `.lower(...)` etc.)."""
         key = jax.tree.structure(state)
         if key not in self._jitted:
-            step = functools.partial(train_step, graphdef=self.graphdef, cfg=self.cfg,
+            step = functools.partial(train_step, graphdef=self.graphdef, settings=self.settings,
                                      mesh=self.mesh, chunk=self.chunk,
                                      remat_logits=self.remat_logits)
 
@@ -370,7 +395,7 @@ class TrainStep:
         return self._jitted[key]
 
     def __call__(self, state: TrainState, batch: dict):
-        check_batch(batch, self.cfg, self.mesh)
+        check_batch(batch, self.settings, self.mesh)
         return self.jitted(state)(state, batch)
 
 

@@ -1,3 +1,3 @@
-"""Jobs: what a command runs around the library (`train_job` for `python -m sage_jax.train`,
-`eval_job` for `python -m sage_jax.evaluate`, `toy_job` the toy task's default job, `report` its
-summary)."""
+"""Jobs: what a command runs around the library (`toy_job`, the toy task's default job that
+`python -m sage_jax.train` runs, and `report` its summary; `eval_job` for
+`python -m sage_jax.evaluate`)."""

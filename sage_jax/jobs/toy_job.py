@@ -41,12 +41,13 @@ hints) or `rl.method=grpo` is the comparison, and the tables say what held over 
 
 
 def run(cfg, workdir) -> dict:
-    """`loop.train`, and around it on a toy run of the built-in model: the calibration gate
-    before RL on a fresh run (which also resolves `hint.source: auto`), the no-hint evaluation by
-    difficulty and summary.md/.png after. Returns the last step's metrics."""
+    """`loop.train` with `hint.source: auto` resolved (`with_hint_source`), and around it on a
+    toy run of the built-in model: the calibration gate before RL on a fresh run (whose pick
+    resolves `auto`), the no-hint evaluation by difficulty and summary.md/.png after. Returns the
+    last step's metrics."""
     distributed.initialize_from_env()  # before anything below starts a JAX backend
     if not (is_default_toy_run(cfg) and jax.process_count() == 1):
-        return loop.train(cfg, workdir)
+        return loop.train(with_hint_source(cfg, workdir), workdir)
     fresh = not (Path(workdir) / "checkpoints").is_dir()
     cal = None
     if fresh and cfg.task.section(ToyConfig).calibrate:

@@ -1,6 +1,6 @@
 """Flax NNX decoder for Llama-3.x, Qwen2/2.5 and Qwen3: RMSNorm, RoPE, GQA, SwiGLU.
 
-Shapes: B batch, T new tokens, S cache slots, D hidden, N query heads, K kv heads,
+Shapes: B batch, T new tokens, S cache slots, D hidden, Q query heads, K kv heads,
 H head dim, F MLP width, V vocab.
 
 Two ways to call it:

@@ -1,4 +1,5 @@
-"""From token lists to arrays: left-padded prompts, the policy sampler adapter, the train batch.
+"""From token lists to arrays: left-padded prompts, the policy sampler adapter, the update's
+batch (packed, or padded where a caller needs it).
 
 Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), P prompt columns
 (a `sampling.prompt_bucket` size), T answer columns (rl.max_new_tokens), L train-row columns
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 
 from sage_jax.core import grpo
-from sage_jax.engine import sampling
+from sage_jax.engine import packing, sampling, update
 from sage_jax.rl.types import Rollout, Samples
 
 
@@ -47,15 +48,42 @@ class PolicySampler:
         return Samples(out.tokens, out.lengths, out.logprobs)
 
 
+def update_batch(ro: Rollout, settings: update.UpdateSettings, *, padding_free: bool,
+                 pad_id: int = 0, loss_context: str = "hinted", adv_scale: str = "group",
+                 sampler_logprobs: bool = False) -> dict[str, np.ndarray]:
+    """The batch `update.TrainStep` takes, of a rollout's rows (`train_rows`): with
+    `padding_free` (rl.padding_free), packed end to end (`packing.pack_rows`) in sequences of the
+    run's longest row (`settings.row_len`); else one row per sequence (`packing.as_packed` of
+    `train_batch`'s padded layout, L columns)."""
+    rows = train_rows(ro, loss_context=loss_context, adv_scale=adv_scale,
+                      sampler_logprobs=sampler_logprobs)
+    width = sampling.length_bucket(max(len(t) for t in rows["tokens"]))
+    if not padding_free:
+        return packing.as_packed(packing.pad_rows(rows, width, pad_id))
+    m, u, r = update.layout(len(rows["tokens"]), settings)
+    return packing.pack_rows(rows, minibatches=m, micro_batches=u, micro_rows=r,
+                             width=max(width, settings.row_len))
+
+
 def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "group",
                 pad_id: int = 0, sampler_logprobs: bool = False) -> dict[str, np.ndarray]:
-    """The update's batch (see `update.py`) from a rollout, rows prompt-major, each row its
-    prompt then its answer from column 0, right-padded to L (positions count valid tokens, so
-    this equals a left-padded prompt; it only drops the padding between prompt and answer).
+    """The padded batch of `train_rows` (see `update.py`): each row from column 0,
+    right-padded to L (positions count valid tokens, so this equals a left-padded prompt)."""
+    rows = train_rows(ro, loss_context=loss_context, adv_scale=adv_scale,
+                      sampler_logprobs=sampler_logprobs)
+    width = sampling.length_bucket(max(len(t) for t in rows["tokens"]))
+    return packing.pad_rows(rows, width, pad_id)
+
+
+def train_rows(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "group",
+               sampler_logprobs: bool = False) -> dict:
+    """The update's rows of a rollout (`packing.rows_of`'s form), prompt-major: each row its
+    prompt then its answer (`loss_mask` on the answer tokens, end-of-sequence included), with
+    its group's advantage, hint level and first-pass collapse status.
 
     `loss_context`: "hinted" trains on log pi(answer | prompt + hint) for hinted groups (the
     published setting); "plain" on log pi(answer | bare prompt) (the off-policy ablation).
-    `sampler_logprobs`: the sampler's log-probs of the answers become the batch's old log-probs
+    `sampler_logprobs`: the sampler's log-probs of the answers become the rows' old log-probs
     (`rl.old_logprobs=sampler`; only in the context they were sampled in, "hinted").
     """
     if loss_context not in ("hinted", "plain"):
@@ -65,29 +93,20 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
                          "old log-probs of loss_context='plain'")
     prompts = ro.prompts if loss_context == "hinted" else ro.plain_prompts
     tokens_BxGxT, lengths_BxG = ro.samples.tokens, ro.samples.lengths
-    b, g, _ = tokens_BxGxT.shape
-    plen_B = np.asarray([len(x) for x in prompts])
-    rows_BxG = plen_B[:, None] + lengths_BxG  # each row: its prompt, then its answer, packed
-    width = sampling.length_bucket(int(rows_BxG.max()))
-    tokens = np.full((b, g, width), pad_id, np.int32)
-    loss_mask = np.zeros((b, g, width), bool)
-    old_logp = np.zeros((b, g, width) if sampler_logprobs else (b, g, 0), np.float32)
+    g = tokens_BxGxT.shape[1]
+    rows: dict = {"tokens": [], "loss_mask": []}
+    if sampler_logprobs:
+        rows["old_logp"] = []
     for i, p in enumerate(prompts):
-        tokens[i, :, :len(p)] = p
+        prompt = np.asarray(p, np.int32)
         for j in range(g):
             n = int(lengths_BxG[i, j])
-            tokens[i, j, len(p):len(p) + n] = tokens_BxGxT[i, j, :n]
-            loss_mask[i, j, len(p):len(p) + n] = True
+            rows["tokens"].append(np.concatenate([prompt, tokens_BxGxT[i, j, :n]]))
+            rows["loss_mask"].append(np.arange(len(p) + n) >= len(p))
             if sampler_logprobs:
-                old_logp[i, j, len(p):len(p) + n] = ro.samples.logprobs[i, j, :n]
-    mask = np.arange(width)[None, None, :] < rows_BxG[:, :, None]
+                rows["old_logp"].append(np.concatenate(
+                    [np.zeros(len(p), np.float32), ro.samples.logprobs[i, j, :n]]))
     adv = np.asarray(grpo.group_advantages(ro.rewards, scale=adv_scale), np.float32)
-    batch = {"tokens_NxL": tokens.reshape(b * g, width),
-             "mask_NxL": mask.reshape(b * g, width),
-             "loss_mask_NxL": loss_mask.reshape(b * g, width),
-             "advantages_N": adv.reshape(b * g),
-             "level_N": np.repeat(ro.level, g).astype(np.int8),
-             "collapse_N": np.repeat(ro.collapse, g).astype(np.int8)}
-    if sampler_logprobs:
-        batch["old_logp_NxL"] = old_logp.reshape(b * g, width)
-    return batch
+    rows.update(advantages_N=adv.reshape(-1), level_N=np.repeat(ro.level, g).astype(np.int8),
+                collapse_N=np.repeat(ro.collapse, g).astype(np.int8))
+    return rows

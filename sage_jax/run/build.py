@@ -76,6 +76,6 @@ def initial_state(model: models.Decoder, cfg: Config, mesh: Mesh, num_examples: 
                   ) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, TrainState at step 0): the model's parameters and optimiser state placed on
     `mesh`, and empty SAGE tables for `num_examples` training prompts."""
-    graphdef, state = update.init_train_state(model, cfg, mesh)
+    graphdef, state = update.init_train_state(model, update.UpdateSettings.of(cfg), mesh)
     tables = SageTables.empty(num_examples, cfg.hint.cache_bytes)
     return graphdef, state.replace(sage=tables.arrays())

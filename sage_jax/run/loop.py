@@ -45,9 +45,19 @@ class TrainingError(RuntimeError):
 def check_fits(cfg: Config, mesh: Mesh) -> None:
     """Fails before any compile when the step's rows do not fit the mesh and mini-batches."""
     rows = cfg.rl.prompts_per_step * cfg.rl.group_size
-    _, _, micro = update.layout(rows, cfg.rl)
+    _, _, r = update.layout(rows, update.UpdateSettings.of(cfg))
     parallel.check_rows(rows, mesh, "the step's rows (rl.prompts_per_step * rl.group_size)")
-    parallel.check_rows(micro, mesh, "a micro-batch (rl.micro_batch_size)")
+    parallel.check_rows(r, mesh, "a micro-batch (rl.micro_batch_size)")
+
+
+def check_hint_source(cfg: Config) -> None:
+    """A ConfigError when a hinted method's hint.source is still `auto`: only the toy job
+    resolves it (`jobs.toy_job.with_hint_source`), so every other run names its source."""
+    if cfg.rl.hinted and cfg.hint.source == "auto":
+        raise config_lib.ConfigError(
+            f"hint.source='auto' is resolved only by the toy job (python -m sage_jax.train with "
+            f"task.name=toy); this {cfg.task.name} run with rl.method={cfg.rl.method} must name "
+            f"its hint source: online, offline, column or reference", key="hint.source")
 
 
 def aot_check(cfg: Config, mesh: Mesh, say: Callable[[str], None] | None = None) -> None:
@@ -149,6 +159,7 @@ def train(cfg: Config, workdir: str | Path, *, stop_after: int | None = None) ->
 
     `stop_after`: stop (with a checkpoint) once this many steps are done in total.
     """
+    check_hint_source(cfg)
     run = _start(cfg, Path(workdir))
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, stop_after)
     metrics: dict = {}
@@ -223,8 +234,8 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 graphdef=graphdef, state=state.replace(sage={}),
                 tables=SageTables.from_arrays(state.sage),
                 ckpt=ckpt,
-                step_fn=update.TrainStep(graphdef, cfg, mesh), scorer=scorer,
-                logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
+                step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
+                scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
                 last_saved=start)
 
 
@@ -257,13 +268,12 @@ def _step(run: _Run, step: int) -> dict:
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)
     host_memory.trim()  # what sampling freed, before the update's peak
-    batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
-                                 adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
-                                 sampler_logprobs=cfg.rl.old_logprobs == "sampler"
-                                 and cfg.rl.loss_context == "hinted")
+    batch = batching.update_batch(ro, run.step_fn.settings, padding_free=cfg.rl.padding_free,
+                                  loss_context=cfg.rl.loss_context, adv_scale=cfg.rl.adv_scale,
+                                  pad_id=task.pad_id,
+                                  sampler_logprobs=cfg.rl.old_logprobs == "sampler"
+                                  and cfg.rl.loss_context == "hinted")
     with timer("update"):
-        if cfg.rl.padding_free:
-            batch = update.pack_batch(batch, cfg)
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))

@@ -157,6 +157,19 @@ def test_cross_field_checks():
     assert load_config(None, []).mesh.sizes() == (-1, 1, 1)
 
 
+def test_hinted_names_the_methods_that_take_hints():
+    hinted = {m: load_config(None, [f"rl.method={m}"]).rl.hinted
+              for m in ("grpo", "sage", "sage_light", "resample")}
+    assert hinted == {"grpo": False, "sage": True, "sage_light": True, "resample": False}
+    cfg = load_config(None, ["rl.method=sage", "hint.max_new_tokens=7",
+                             "data.max_prompt_tokens=5"])
+    assert cfg.sample_prompt_len() == 12 and cfg.sample_prompt_len(3) == 10
+    grpo = load_config(None, ["rl.method=grpo", "data.max_prompt_tokens=5"])
+    assert grpo.sample_prompt_len() == 5 and not grpo.writes_hints
+    assert cfg.writes_hints and not load_config(None, [
+        "rl.method=sage", "hint.source=reference"]).writes_hints
+
+
 def test_yaml_round_trip(tmp_path):
     cfg = load_config(None, [
         "rl.method=sage_light", "rl.micro_batch_size=8", "optim.lr=3e-7", "data.hint_key=h",

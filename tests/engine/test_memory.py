@@ -25,6 +25,8 @@ from sage_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, RLConf
 from sage_jax.config import TrainConfig
 from sage_jax.tasks.toy import chains as toy
 
+settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = models.DecoderConfig(family="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
@@ -110,7 +112,8 @@ def test_state_bytes_match_device_shards(sizes, dtype, master, toy_model):
     that `init_train_state` places on the mesh."""
     cfg = make_cfg(dtype, master)
     model_cfg = toy.toy_model_config() if toy_model else MODEL
-    _, state = update.init_train_state(make_model(cfg, model_cfg), cfg, make_mesh(sizes))
+    _, state = update.init_train_state(make_model(cfg, model_cfg),
+                                       settings_of(cfg), make_mesh(sizes))
     est = estimate(cfg, sizes, model_cfg)
     assert est.params + est.master == device_bytes(state.params)
     assert est.optimizer == device_bytes(state.opt_state)
@@ -127,7 +130,7 @@ def test_state_bytes_match_live_arrays():
     cfg = make_cfg("bfloat16", True)
     model = make_model(cfg)
     before = sum(x.nbytes for x in jax.live_arrays())
-    _, state = update.init_train_state(model, cfg, make_mesh((1, 1, 1)))
+    _, state = update.init_train_state(model, settings_of(cfg), make_mesh((1, 1, 1)))
     grown = sum(x.nbytes for x in jax.live_arrays()) - before
     est = estimate(cfg, (1, 1, 1))
     other = sum(x.nbytes for x in (state.step, state.rng, state.data_position))
@@ -166,7 +169,7 @@ def test_kv_cache_matches_what_the_sampler_allocates(monkeypatch, sizes):
     monkeypatch.setattr(sampling, "COARSE_ROW_BUCKET_MIN", sampling.ROW_BUCKET_MIN)  # regroups
     cfg = make_cfg("bfloat16", True)
     mesh = make_mesh(sizes or (1, 1, 1))
-    graphdef, state = update.init_train_state(make_model(cfg), cfg, mesh)
+    graphdef, state = update.init_train_state(make_model(cfg), settings_of(cfg), mesh)
     lengths = (20, 3, 9, 20, 2)
     tok = np.ones((5, 20), np.int32)
     mask = np.arange(20)[None] >= 20 - np.asarray(lengths)[:, None]
@@ -205,9 +208,9 @@ def test_activations_match_xla_buffer_assignment(sizes):
     that XLA assigns to the compiled train step (float32, no remat)."""
     cfg = make_cfg()
     mesh = make_mesh(sizes)
-    graphdef, state = update.init_train_state(make_model(cfg), cfg, mesh)
-    step = update.TrainStep(graphdef, cfg, mesh, chunk=CHUNK)
-    batch = parallel.shard_batch(make_batch(), mesh)
+    graphdef, state = update.init_train_state(make_model(cfg), settings_of(cfg), mesh)
+    step = update.TrainStep(graphdef, settings_of(cfg), mesh, chunk=CHUNK)
+    batch = parallel.shard_batch(packing.as_packed(make_batch()), mesh)
     temp = step.jitted(state).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     est = estimate(cfg, sizes)
     assert abs(est.grads + est.activations - temp) <= 0.2 * temp, (temp, est)
@@ -221,9 +224,9 @@ def test_activations_of_long_rows_in_attention_blocks_match_xla(monkeypatch):
     assert len(models.decoder.causal_blocks(PROMPT + ANSWER)) == 3
     cfg = make_cfg()
     mesh = make_mesh((1, 1, 1))
-    graphdef, state = update.init_train_state(make_model(cfg), cfg, mesh)
-    step = update.TrainStep(graphdef, cfg, mesh, chunk=CHUNK)
-    batch = parallel.shard_batch(make_batch(), mesh)
+    graphdef, state = update.init_train_state(make_model(cfg), settings_of(cfg), mesh)
+    step = update.TrainStep(graphdef, settings_of(cfg), mesh, chunk=CHUNK)
+    batch = parallel.shard_batch(packing.as_packed(make_batch()), mesh)
     temp = step.jitted(state).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     est = estimate(cfg, (1, 1, 1))
     assert abs(est.grads + est.activations - temp) <= 0.2 * temp, (temp, est)
@@ -236,9 +239,10 @@ def residual_bytes(cfg) -> int:
     residuals), each buffer once, the parameters themselves excluded."""
     graphdef, params = models.split(make_model(cfg))
     mb = {k: jnp.asarray(v[:MICRO]) for k, v in packing.as_packed(make_batch()).items()
-          if k.endswith("_SxL")}  # the loss's per-token layout (one row per sequence)
-    loss = functools.partial(update._micro_loss, graphdef=graphdef, rl=cfg.rl, chunk=CHUNK,
-                             remat=True, rows=parallel.rows_sharding(make_mesh((1, 1, 1))))
+          if k.endswith("_ZxL")}  # the loss's per-token layout (one row per sequence)
+    loss = functools.partial(update._micro_loss, graphdef=graphdef,
+                             settings=settings_of(cfg), chunk=CHUNK,
+                             remat_logits=True, rows=parallel.rows_sharding(make_mesh((1, 1, 1))))
     _, vjp_fn = jax.vjp(lambda p: loss(p, mb, (jnp.float32(400), jnp.float32(8)))[0], params)
     seen = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)}
     total = 0
@@ -274,8 +278,8 @@ def test_remat_shrinks_the_compiled_train_step_on_cpu():
     temp = {}
     for remat in (False, True):
         cfg = make_cfg(remat=remat)
-        graphdef, state = update.init_train_state(make_model(cfg, deep), cfg, mesh)
-        step = update.TrainStep(graphdef, cfg, mesh, chunk=CHUNK)
+        graphdef, state = update.init_train_state(make_model(cfg, deep), settings_of(cfg), mesh)
+        step = update.TrainStep(graphdef, settings_of(cfg), mesh, chunk=CHUNK)
         compiled = step.jitted(state).lower(state, batch).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[True] < 0.5 * temp[False], temp
@@ -289,7 +293,7 @@ def test_remat_gives_the_same_gradients():
     grads = []
     for remat in (False, True):
         cfg = make_cfg(remat=remat)
-        graphdef, state = update.init_train_state(make_model(cfg), cfg, mesh)
+        graphdef, state = update.init_train_state(make_model(cfg), settings_of(cfg), mesh)
         assert nnx.merge(graphdef, state.params).remat is remat
         grads.append(jax.device_get(jax.jit(lambda p, b, g=graphdef, c=cfg: minibatch_grads(
             p, b, graphdef=g, cfg=c, mesh=mesh))(state.params, batch)[0]))

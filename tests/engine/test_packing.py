@@ -14,7 +14,9 @@ from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import Config, DataConfig, MeshConfig, OptimConfig, RLConfig, TrainConfig
 from sage_jax.core import grpo
-from sage_jax.engine import update
+from sage_jax.engine import packing, update
+
+settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
 
 MODEL = models.DecoderConfig(family="llama", vocab_size=40, hidden_size=32, intermediate_size=64,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -49,9 +51,9 @@ def one_device_mesh():
 
 def holding_rows(packed, cfg) -> tuple[int, int]:
     """(sequences that hold rows, micro-batches that hold answer tokens) of a packed batch."""
-    m, u, r = update.layout(len(packed["advantages_N"]), cfg.rl)
-    seqs = packed["segments_SxL"].max(axis=1) > 0
-    micro = packed["loss_mask_SxL"].reshape(r, m * u, -1).any(axis=(0, 2))
+    m, u, r = update.layout(len(packed["advantages_N"]), settings_of(cfg))
+    seqs = packed["segments_ZxL"].max(axis=1) > 0
+    micro = packed["loss_mask_ZxL"].reshape(r, m * u, -1).any(axis=(0, 2))
     return int(seqs.sum()), int(micro.sum())
 
 
@@ -62,17 +64,17 @@ def max_diff(a, b):
 
 def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
     batch, cfg = make_batch(), make_cfg()
-    packed = update.pack_batch(batch, cfg)
-    s = len(packed["tokens_SxL"])
-    m, u, r = update.layout(16, cfg.rl)
-    assert packed["tokens_SxL"].shape == (16, update.row_len(cfg)) == (16, 32)
+    packed = update.pack_batch(batch, settings_of(cfg))
+    s = len(packed["tokens_ZxL"])
+    m, u, r = update.layout(16, settings_of(cfg))
+    assert packed["tokens_ZxL"].shape == (16, update.row_len(cfg)) == (16, 32)
     used, micro = holding_rows(packed, cfg)
     assert used < 16 and micro < m * u  # fewer sequences than rows: micro-batches left empty
-    seg = packed["segments_SxL"][packed["segments_SxL"].max(axis=1) > 0]
+    seg = packed["segments_ZxL"][packed["segments_ZxL"].max(axis=1) > 0]
     assert (seg == 0).mean() < 1 - batch["mask_NxL"].mean() - 0.2  # of the sequences used
     # Within each mini-batch the sequences that hold rows fill micro-batches in order.
     for j in range(m):
-        full = [packed["segments_SxL"][slot * m * u + j * u + i].max() > 0
+        full = [packed["segments_ZxL"][slot * m * u + j * u + i].max() > 0
                 for i in range(u) for slot in range(r)]
         assert full == sorted(full, reverse=True), (j, full)
     # Every row's tokens appear once, contiguous, in a sequence of its own mini-batch.
@@ -80,10 +82,10 @@ def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
         row = batch["tokens_NxL"][q][batch["mask_NxL"][q]]
         hits = []
         for t in range(s):
-            seg = packed["segments_SxL"][t]
+            seg = packed["segments_ZxL"][t]
             for g in range(1, seg.max() + 1):
-                if np.array_equal(packed["tokens_SxL"][t][seg == g], row) and (
-                        packed["advantages_SxL"][t][seg == g] == batch["advantages_N"][q]).all():
+                if np.array_equal(packed["tokens_ZxL"][t][seg == g], row) and (
+                        packed["advantages_ZxL"][t][seg == g] == batch["advantages_N"][q]).all():
                     hits.append(t)
         assert hits, q
         assert {(t // u) % m for t in hits} == {(q // u) % m}  # its padded mini-batch
@@ -98,14 +100,14 @@ def test_packed_rows_get_the_log_probs_each_row_gets_alone(block_min, monkeypatc
     model = models.Decoder(MODEL, rngs=nnx.Rngs(0))
     graphdef, params = models.split(model)
     batch = make_batch()
-    packed = update.pack_batch(batch, make_cfg())
+    packed = update.pack_batch(batch, settings_of(make_cfg()))
     alone = np.asarray(grpo.token_logprobs(graphdef, params, batch["tokens_NxL"],
                                            batch["mask_NxL"], need_NxL=batch["loss_mask_NxL"]))
-    together = np.asarray(grpo.token_logprobs(graphdef, params, packed["tokens_SxL"], None,
-                                              segments_NxL=packed["segments_SxL"],
-                                              need_NxL=packed["loss_mask_SxL"]))
+    together = np.asarray(grpo.token_logprobs(graphdef, params, packed["tokens_ZxL"], None,
+                                              segments_NxL=packed["segments_ZxL"],
+                                              need_NxL=packed["loss_mask_ZxL"]))
     want = np.sort(alone[batch["loss_mask_NxL"]])
-    got = np.sort(together[packed["loss_mask_SxL"]])
+    got = np.sort(together[packed["loss_mask_ZxL"]])
     assert want.shape == got.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(want).min() > 1e-3  # real log-probs, not zeros
@@ -120,9 +122,10 @@ def test_packed_update_equals_padded_update(agg):
     # step, g / |g|, would magnify the float noise of near-zero gradients).
     cfg = dataclasses.replace(cfg, optim=OptimConfig(lr=1.0, eps=1.0))
     batch = make_batch(seed=1)
-    packed = update.pack_batch(batch, cfg)
+    packed = update.pack_batch(batch, settings_of(cfg))
     assert holding_rows(packed, cfg)[1] < 8  # some micro-batches are skipped
-    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, mesh)
+    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)),
+                                              settings_of(cfg), mesh)
 
     grads = jax.jit(lambda p, b: minibatch_grads(p, b, graphdef=graphdef, cfg=cfg, mesh=mesh))
     (g_pad, m_pad), (g_pack, m_pack) = grads(state.params, batch), grads(state.params, packed)
@@ -131,10 +134,11 @@ def test_packed_update_equals_padded_update(agg):
     for key in ("loss", "pg_loss", "entropy", "kl/old_new"):
         np.testing.assert_allclose(m_pack[key], m_pad[key], rtol=1e-5, atol=1e-7)
 
-    step = update.TrainStep(graphdef, cfg, mesh)
+    step = update.TrainStep(graphdef, settings_of(cfg), mesh)
     params = jax.device_get(state.params)
-    out_pad, met_pad = step(jax.tree.map(np.copy, state), batch)
-    _, state2 = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, mesh)
+    out_pad, met_pad = step(jax.tree.map(np.copy, state), packing.as_packed(batch))
+    _, state2 = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)),
+                                        settings_of(cfg), mesh)
     out_pack, met_pack = step(state2, packed)
     assert max_diff(out_pad.params, params) > 1e-4  # the step moved the params
     assert max_diff(out_pad.params, out_pack.params) < 1e-5, agg
@@ -145,12 +149,12 @@ def test_packed_update_equals_padded_update(agg):
 def test_every_packed_batch_of_a_run_has_one_shape():
     """Rows of any lengths (up to the run's longest) pack to the same shape: one program."""
     cfg = make_cfg()
-    shapes = {update.pack_batch(make_batch(seed=seed), cfg)["tokens_SxL"].shape
+    shapes = {update.pack_batch(make_batch(seed=seed), settings_of(cfg))["tokens_ZxL"].shape
               for seed in range(4)}
     short = make_batch(seed=5)
     short["mask_NxL"][:, PROMPT + 2:] = False  # every answer ends after 2 tokens
     short["loss_mask_NxL"] &= short["mask_NxL"]
-    shapes.add(update.pack_batch(short, cfg)["tokens_SxL"].shape)
+    shapes.add(update.pack_batch(short, settings_of(cfg))["tokens_ZxL"].shape)
     assert shapes == {(16, update.row_len(cfg))}
 
 
@@ -173,22 +177,24 @@ def test_packed_step_with_skipped_micro_batches_equals_padded(
     batch = make_batch(rows, seed)
     base = one_device_mesh()
     mesh = base if shape == (1, 1, 1) else parallel.make_mesh(MeshConfig(*shape))
-    packed = update.pack_batch(batch, cfg)
+    packed = update.pack_batch(batch, settings_of(cfg))
     used, computed = holding_rows(packed, cfg)
-    m, u, r = update.layout(rows, cfg.rl)
+    m, u, r = update.layout(rows, settings_of(cfg))
     assert used < rows and computed < m * u  # the cases this test is for
-    seqs = (packed["segments_SxL"].max(axis=1) > 0).reshape(r, m * u).sum(axis=0)
+    seqs = (packed["segments_ZxL"].max(axis=1) > 0).reshape(r, m * u).sum(axis=0)
     assert ((seqs > 0) & (seqs < r)).any()  # and a micro-batch that is partly padding
-    update.check_batch(packed, cfg, mesh)
+    update.check_batch(packed, settings_of(cfg), mesh)
 
     def step(batch, mesh):
-        graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg,
+        graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)),
+                                                  settings_of(cfg),
                                                   mesh)
-        return update.TrainStep(graphdef, cfg, mesh)(state,
+        return update.TrainStep(graphdef, settings_of(cfg), mesh)(state,
                                                            parallel.shard_batch(batch, mesh))
 
-    (pad, met_pad), (pack, met_pack) = step(batch, base), step(packed, mesh)
-    start = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)), cfg, base)[1]
+    (pad, met_pad), (pack, met_pack) = step(packing.as_packed(batch), base), step(packed, mesh)
+    start = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(1)),
+                                    settings_of(cfg), base)[1]
     assert max_diff(pad.params, start.params) > 1e-4  # the step moved the params
     assert max_diff(pad.params, pack.params) < 1e-5
     for key in ("loss", "grad_norm", "tokens", "entropy"):
@@ -199,9 +205,10 @@ def test_packed_step_with_skipped_micro_batches_equals_padded(
 
 def test_a_bad_packed_batch_is_named():
     cfg, mesh = make_cfg(), one_device_mesh()
-    packed = update.pack_batch(make_batch(), cfg)
-    with pytest.raises(ValueError, match="segments_SxL"):
-        update.check_batch({k: v for k, v in packed.items() if k != "segments_SxL"}, cfg, mesh)
+    packed = update.pack_batch(make_batch(), settings_of(cfg))
+    with pytest.raises(ValueError, match="segments_ZxL"):
+        update.check_batch({k: v for k, v in packed.items() if k != "segments_ZxL"},
+                           settings_of(cfg), mesh)
     with pytest.raises(ValueError, match="as many sequences as rows"):
-        update.check_batch({k: (v[:-1] if k.endswith("_SxL") else v)
-                            for k, v in packed.items()}, cfg, mesh)
+        update.check_batch({k: (v[:-1] if k.endswith("_ZxL") else v)
+                            for k, v in packed.items()}, settings_of(cfg), mesh)

@@ -14,9 +14,18 @@ from grad_fixtures import minibatch_grads
 from sage_jax.core import grpo
 from sage_jax import models
 from sage_jax.infra import parallel
-from sage_jax.engine import update
+from sage_jax.engine import packing, update
 from sage_jax.config import Config, MeshConfig, OptimConfig, RLConfig, TrainConfig
 from sage_jax.engine.state import TrainState
+
+settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
+
+
+def packed_step(graphdef, settings, mesh, **kw):
+    """`update.TrainStep` fed this file's padded batches packed one row per sequence
+    (`packing.as_packed`, no packing: the form the trainer gives it with rl.padding_free=false)."""
+    step = packed_step(graphdef, settings, mesh, **kw)
+    return lambda state, batch: step(state, packing.as_packed(jax.device_get(batch)))
 
 MODEL = models.DecoderConfig(family="qwen2", vocab_size=48, hidden_size=32, intermediate_size=64,
                            num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
@@ -48,7 +57,8 @@ def one_device_mesh():
 
 
 def init(cfg, mesh, seed=0):
-    return update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(seed)), cfg, mesh)
+    return update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(seed)),
+                                   settings_of(cfg), mesh)
 
 
 def max_diff(a, b):
@@ -123,24 +133,28 @@ def test_partition_rules():
 def test_bad_batches_fail_before_compiling():
     mesh = parallel.make_mesh(MeshConfig(-1, 1, 1))
     cfg = make_cfg()
-    step = update.TrainStep(None, cfg, mesh)  # never compiled: every call must fail first
-    good = make_batch(16)
+    step = update.TrainStep(None,
+                            settings_of(cfg), mesh)  # never compiled: every call must fail first
+    good = packing.as_packed(make_batch(16))
+    with pytest.raises(ValueError, match="pack it"):  # the update takes the packed form only
+        step(None, make_batch(16))
     with pytest.raises(ValueError, match="12 rows.*data=8 x fsdp=1"):
-        step(None, make_batch(12))
+        step(None, packing.as_packed(make_batch(12)))
     with pytest.raises(ValueError, match="missing 'advantages_N'"):
         step(None, {k: v for k, v in good.items() if k != "advantages_N"})
     with pytest.raises(ValueError, match="unknown batch keys.*'rewards'"):
         step(None, dict(good, rewards=good["advantages_N"]))
-    with pytest.raises(ValueError, match="loss_mask_NxL.*shape"):
-        step(None, dict(good, loss_mask_NxL=good["loss_mask_NxL"][:, 1:]))
+    with pytest.raises(ValueError, match="loss_mask_ZxL.*shape"):
+        step(None, dict(good, loss_mask_ZxL=good["loss_mask_ZxL"][:, 1:]))
     with pytest.raises(ValueError, match="level_N.*expected \\[16\\]"):
         step(None, dict(good, level_N=np.zeros(8, np.int8)))
-    with pytest.raises(ValueError, match="ref_logp_NxL"):
-        update.TrainStep(None, make_cfg(kl_beta=0.1), mesh)(None, good)
+    with pytest.raises(ValueError, match="ref_logp_ZxL"):
+        update.TrainStep(None, settings_of(make_cfg(kl_beta=0.1)), mesh)(None, good)
     with pytest.raises(ValueError, match="micro-batch.*4 rows.*divisible by 8"):
-        update.TrainStep(None, make_cfg(micro_batch_size=4), mesh)(None, good)
+        update.TrainStep(None, settings_of(make_cfg(micro_batch_size=4)), mesh)(None, good)
     with pytest.raises(ValueError, match="micro_batch_size=3"):
-        update.check_batch(good, make_cfg(prompts=3, micro_batch_size=3), one_device_mesh())
+        update.check_batch(good,
+                           settings_of(make_cfg(prompts=3, micro_batch_size=3)), one_device_mesh())
 
 
 # ---------------------------------------------------------------------------------- invariances
@@ -160,7 +174,7 @@ def test_micro_batching_gives_the_same_gradient_and_params(agg, capsys):
         fn = jax.jit(lambda p, b: minibatch_grads(p, b, graphdef=graphdef, cfg=cfg, mesh=mesh))
         grads[k] = fn(state.params, batch)[0]
         if agg == "token-mean" and k != 2:  # (a whole step compiles slowly: 1 vs 4 only)
-            state, m = update.TrainStep(graphdef, cfg, mesh)(state, batch)
+            state, m = packed_step(graphdef, settings_of(cfg), mesh)(state, batch)
             params[k], metrics[k] = state.params, m
     for k in ks[1:]:
         with capsys.disabled():
@@ -184,7 +198,7 @@ def test_sharded_update_equals_one_device(capsys):
         devices = jax.devices()[:1] if shape == (1, 1, 1) else None
         mesh = parallel.make_mesh(MeshConfig(*shape), devices)
         graphdef, state = init(cfg, mesh)
-        state, metrics = update.TrainStep(graphdef, cfg, mesh)(
+        state, metrics = packed_step(graphdef, settings_of(cfg), mesh)(
             state, parallel.shard_batch(batch, mesh))
         out[shape] = (jax.tree.map(np.asarray, state.params), metrics)
     base_params, base_metrics = out[(1, 1, 1)]
@@ -214,7 +228,7 @@ def test_learning_moves_logprobs_by_advantage_sign():
         return np.asarray(lp).sum(axis=1)
 
     before = answer_logp(state.params)
-    step = update.TrainStep(graphdef, cfg, mesh)
+    step = packed_step(graphdef, settings_of(cfg), mesh)
     for _ in range(5):
         state, metrics = step(state, batch)
     after = answer_logp(state.params)
@@ -233,7 +247,7 @@ def test_given_old_logprobs_equal_recomputed(minibatches):
     graphdef, state = init(cfg, mesh)
     old = update.make_logprob_fn(graphdef, mesh, micro_batch_size=4)(
         state.params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])
-    step = update.TrainStep(graphdef, cfg, mesh)
+    step = packed_step(graphdef, settings_of(cfg), mesh)
     s1, m1 = step(init(cfg, mesh)[1], batch)
     s2, m2 = step(state, dict(batch, old_logp_NxL=old))
     assert max_diff(s1.params, s2.params) < 1e-6
@@ -262,7 +276,8 @@ def test_reference_kl_and_epochs():
     logp = update.make_logprob_fn(graphdef, mesh)(
         state.params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])
     ref = np.where(batch["loss_mask_NxL"], np.asarray(logp) - 0.3, 0.0).astype(np.float32)
-    state, m = update.TrainStep(graphdef, cfg, mesh)(state, dict(batch, ref_logp_NxL=ref))
+    state, m = packed_step(graphdef,
+                                settings_of(cfg), mesh)(state, dict(batch, ref_logp_NxL=ref))
     kl = math.exp(-0.3) + 0.3 - 1  # k3 at the first update, where logp = old logp
     assert float(m["kl/ref"]) == pytest.approx(kl, rel=0.05)
     assert float(m["loss"]) == pytest.approx(float(m["pg_loss"]) + 0.5 * float(m["kl/ref"]),
@@ -275,8 +290,8 @@ def test_reference_kl_and_epochs():
 
 def _step_result(cfg, batch, mesh, remat):
     model = models.Decoder(MODEL, rngs=nnx.Rngs(0), remat=remat)
-    graphdef, state = update.init_train_state(model, cfg, mesh)
-    state, metrics = update.TrainStep(graphdef, cfg, mesh)(
+    graphdef, state = update.init_train_state(model, settings_of(cfg), mesh)
+    state, metrics = packed_step(graphdef, settings_of(cfg), mesh)(
         state, parallel.shard_batch(batch, mesh))
     return jax.device_get((state.params, metrics))
 

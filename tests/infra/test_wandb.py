@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sage_jax import config
-from sage_jax.jobs import train_job
+from sage_jax import train
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.run import build, loop
 from sage_jax.tasks import registry
@@ -38,8 +38,8 @@ def _records(wandb_file: Path) -> list[dict]:
 def test_offline_history_equals_metrics_jsonl_across_a_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
-    train_job.run(registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", ARGS + ["train.steps=2"]), run)
-    train_job.run(registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", ARGS + ["train.steps=3"]), run)
+    train.run(registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", ARGS + ["train.steps=2"]), run)
+    train.run(registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", ARGS + ["train.steps=3"]), run)
     run_id = (run / "wandb_id.txt").read_text().strip()
     files = sorted((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) >= 2  # the first run, its resume (and the summary of each job)
@@ -74,4 +74,5 @@ def test_a_missing_wandb_package_fails_at_start(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "load_model", no_model)
     with pytest.raises(config.ConfigError, match="logging.wandb=true needs the wandb package"):
-        loop.train(registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", ARGS + ["train.steps=1"]), tmp_path)
+        loop.train(registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml",
+                                        ARGS + ["train.steps=1", "hint.source=online"]), tmp_path)

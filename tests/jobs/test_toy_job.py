@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from sage_jax.jobs import train_job
+from sage_jax import train
 from sage_jax import config
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.jobs import toy_job
@@ -23,11 +23,22 @@ SHRUNK = ["task.toy.min_steps=2", "task.toy.max_steps=3", "task.toy.sft_steps=12
           "rl.max_new_tokens=36", "hint.max_new_tokens=72", "checkpoint.every=0"]
 
 
+def test_every_toy_run_resolves_auto_before_the_loop(tmp_path, monkeypatch):
+    """A toy run outside the default job (here: a model path, so no gate) still reaches
+    `loop.train` with `hint.source: auto` resolved: to reference, without a gate."""
+    seen = []
+    monkeypatch.setattr(toy_job.loop, "train", lambda cfg, workdir: seen.append(cfg) or {})
+    cfg = registry.load_config(config.DEFAULT_CONFIG, ["model.path=some/model"])
+    assert cfg.hint.source == "auto" and cfg.rl.hinted
+    toy_job.run(cfg, tmp_path)
+    assert [c.hint.source for c in seen] == ["reference"]
+
+
 def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys):
     cache = tmp_path / "cache"
     cfg = registry.load_config(config.DEFAULT_CONFIG, SHRUNK + [f"task.toy.cache_dir={cache}"])
     run = tmp_path / "run"
-    train_job.run(cfg, run)
+    train.run(cfg, run)
     out = capsys.readouterr().out
     # warm start trained once and cached as a Hugging Face folder
     (cached,) = cache.iterdir()
@@ -128,7 +139,7 @@ def test_hard_split_job_writes_one_level_per_request_and_reports_the_split(tmp_p
     cfg = registry.load_config(config.DEFAULT_CONFIG,
                              SHRUNK + tail + [f"task.toy.cache_dir={tmp_path / 'cache'}"])
     run = tmp_path / "run"
-    train_job.run(cfg, run)
+    train.run(cfg, run)
     cal = json.loads((run / "calibration.json").read_text())
     assert "hint_leaked" in cal and 0 <= cal["hint_parse_rate"] <= 1
     rows = read_metrics(run)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from sage_jax.rl import batching, rollout
-from sage_jax.config import HintConfig, RLConfig
+from sage_jax.config import Config, DataConfig, HintConfig, RLConfig
+from sage_jax.engine import packing, update
 from sage_jax.tasks.base import PayloadHints
 from sage_jax.tasks.data import Example
 
@@ -362,3 +363,24 @@ def test_reference_source_rescues_a_mixed_group_with_a_stochastic_policy():
     assert out.metrics["hint/rescued"] == 1 and out.metrics["collapse/frac_all_zero_after"] == 0
     adv = batching.train_batch(out)["advantages_N"]
     assert (adv[::2] > 0).all() and (adv[1::2] < 0).all()
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_the_update_batch_is_packed_from_the_rows_as_the_padded_batch_packs(minibatches):
+    """rl.padding_free: `update_batch` packs the rollout's rows directly, array for array what
+    packing the padded `train_batch` gives; without it, the padded batch one row per sequence."""
+    out, _, _ = run("sage", make_examples([0, 2, 3, 1]))
+    settings = update.UpdateSettings.of(Config(
+        rl=RLConfig(method="sage", prompts_per_step=4, group_size=G, minibatches=minibatches,
+                    max_new_tokens=out.samples.tokens.shape[-1]),
+        data=DataConfig(max_prompt_tokens=8)))
+    padded = batching.train_batch(out, pad_id=3)
+    for padding_free, want in ((True, update.pack_batch(padded, settings)),
+                               (False, packing.as_packed(padded))):
+        got = batching.update_batch(out, settings, padding_free=padding_free, pad_id=3)
+        assert got.keys() == want.keys() and packing.is_packed(got)
+        for k in want:
+            assert got[k].dtype == want[k].dtype, k
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert want["tokens_ZxL"].shape == padded["tokens_NxL"].shape  # one row per sequence
+    assert (got["tokens_ZxL"][~got["segments_ZxL"].astype(bool)] == 3).any()  # pad_id kept

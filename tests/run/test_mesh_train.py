@@ -14,9 +14,11 @@ from sage_jax.rl import batching, rollout
 from sage_jax import config, models
 from sage_jax.infra import parallel
 from sage_jax.core import grpo
-from sage_jax.engine import sampling, update
+from sage_jax.engine import packing, sampling, update
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.data import Example
+
+settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]
 PROMPTS, GROUP, NEW = 8, 2, 8
@@ -55,7 +57,8 @@ def one_step(shape):
     mesh = parallel.make_mesh(config.MeshConfig(*shape), devices)
     loop.check_fits(CFG, mesh)
     task = toy.ToyTask()
-    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)), CFG, mesh)
+    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)),
+                                              settings_of(CFG), mesh)
     idx = np.arange(PROMPTS)
     tables = rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes)
     sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
@@ -70,10 +73,11 @@ def one_step(shape):
                              num_samples=GROUP, max_new_tokens=NEW, temperature=0.0,
                              eos_ids=task.eos_ids, prompt_ids_B=idx, pad_id=task.pad_id,
                              mesh=mesh)
-    batch = batching.train_batch(ro, loss_context=CFG.rl.loss_context,
-                                 adv_scale=CFG.rl.adv_scale, pad_id=task.pad_id)
+    batch = batching.update_batch(ro, settings_of(CFG), padding_free=CFG.rl.padding_free,
+                                  loss_context=CFG.rl.loss_context, adv_scale=CFG.rl.adv_scale,
+                                  pad_id=task.pad_id)
     before = jax.tree.map(np.asarray, state.params)  # (the step donates the state)
-    state, upd = update.TrainStep(graphdef, CFG, mesh)(state,
+    state, upd = update.TrainStep(graphdef, settings_of(CFG), mesh)(state,
                                                              parallel.shard_batch(batch, mesh))
     return dict(mesh=mesh, samples=ro.samples, rewards=ro.rewards, level=ro.level,
                 rollout={k: v for k, v in ro.metrics.items() if not k.startswith("time/")},
@@ -142,7 +146,8 @@ def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
     task = toy.ToyTask()
 
     def fresh():
-        return update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)), CFG, mesh)
+        return update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)),
+                                       settings_of(CFG), mesh)
 
     graphdef, state = fresh()
     idx = np.arange(PROMPTS)
@@ -161,8 +166,8 @@ def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
                                                 given["mask_NxL"], need_NxL=loss))
     np.testing.assert_allclose(given["old_logp_NxL"][loss], recomputed[loss], atol=2e-5)
     assert np.all(given["old_logp_NxL"][~loss] == 0) and np.all(recomputed[loss] < 0)
-    step = update.TrainStep(graphdef, CFG, mesh)
-    got = [step(s, parallel.shard_batch(b, mesh)) for s, b in ((state, given),
+    step = update.TrainStep(graphdef, settings_of(CFG), mesh)
+    got = [step(s, parallel.shard_batch(packing.as_packed(b), mesh)) for s, b in ((state, given),
                                                                (fresh()[1], plain))]
     (s_given, m_given), (s_plain, m_plain) = jax.device_get(got)
     for k, v in m_plain.items():
@@ -179,7 +184,8 @@ def test_rollout_in_chunks_samples_the_same_answers(shape, monkeypatch):
     devices = jax.devices()[:1] if shape == (1, 1, 1) else None
     mesh = parallel.make_mesh(config.MeshConfig(*shape), devices)
     task = toy.ToyTask()
-    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)), CFG, mesh)
+    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)),
+                                              settings_of(CFG), mesh)
     idx = np.arange(PROMPTS)
     sizes = []  # prompts of each sampling.sample call
     sample = sampling.sample

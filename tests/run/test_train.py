@@ -19,7 +19,8 @@ from sage_jax.tasks import registry
 
 TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
         "hint.max_new_tokens=24", "rl.minibatches=2", "checkpoint.every=1", "checkpoint.keep=3",
-        "train.samples_every=1", "task.toy.warm_start=false"]
+        "train.samples_every=1", "task.toy.warm_start=false",
+        "hint.source=online"]  # toy.yaml's auto is the toy job's to resolve, not loop.train's
 
 REQUIRED = ["step", "reward/mean", "response/mean_length", "response/clipped_frac", "loss",
             "grad_norm", "clip/frac_low", "clip/frac_high", "entropy", "time/step_s",
@@ -228,6 +229,25 @@ def test_console_names_the_overrides_and_the_config_file_not_the_whole_config(tm
     assert "optim:" not in out and len(out.splitlines()) < 5
     saved = registry.load_config(tmp_path / "config.yaml")
     assert json.loads((tmp_path / "provenance.json").read_text())["config"] == config.to_dict(saved)
+
+
+@pytest.mark.parametrize("method", ["sage", "sage_light"])
+def test_an_unresolved_auto_hint_source_fails_before_the_rollout(tmp_path, monkeypatch, method):
+    """Only the toy job resolves hint.source=auto: a math run with it fails before loading."""
+    def no_model(cfg):
+        raise AssertionError("the model was loaded with hint.source=auto unresolved")
+
+    monkeypatch.setattr(loop.build, "load_model", no_model)
+    math = registry.load_config(config.DEFAULT_CONFIG, [
+        "task.name=math", "model.path=org/tiny-qwen", "data.train_files=[x.jsonl]",
+        f"rl.method={method}", "hint.source=auto", "data.solution_key=solution"])
+    with pytest.raises(config.ConfigError, match="hint.source='auto' is resolved only by the "
+                                                 "toy job") as e:
+        loop.train(math, tmp_path)
+    assert e.value.key == "hint.source"
+    for method in ("grpo", "resample"):  # these take no hints: auto is never read
+        loop.check_hint_source(registry.load_config(config.DEFAULT_CONFIG, [
+            f"rl.method={method}", "hint.source=auto"]))
 
 
 def test_cli_unknown_key_names_the_closest(capsys):

@@ -165,3 +165,140 @@ def test_shape_suffixes_use_the_readme_alphabet_one_meaning_per_letter():
                     used.setdefault(letter, str(path.relative_to(PACKAGE.parent)))
     unknown = {k: v for k, v in used.items() if k not in letters}
     assert not unknown, f"shape letters not in the README's alphabet: {unknown}"
+
+
+STOP = {"a", "an", "the", "of", "per", "each", "in", "one"}
+
+
+def _top_level_split(text: str) -> list[str]:
+    """`text` split at the commas outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return parts + [text[start:].strip()]
+
+
+def _meanings(legend: str) -> dict[str, str]:
+    """{letter: its meaning} of a legend "B prompts, N = B*G rows, ..." (lower-case entries and
+    anything else skipped)."""
+    out = {}
+    for entry in _top_level_split(legend):
+        m = re.match(r"([A-Z][A-Za-z]*)( = \S+)?\s+(.*)", entry)
+        if m:
+            out[m[1]] = m[3] if m[3] else (m[2] or "")
+    return out
+
+
+def _words(text: str) -> set[str]:
+    words = {w.rstrip("s") for w in re.findall(r"[a-z]+", text.lower())}
+    return {w for w in words if len(w) > 2 and w not in STOP}
+
+
+def _same_sense(a: str, b: str) -> bool:
+    """Whether two meanings share a word (a prefix counts: vocab, vocabulary)."""
+    return any(x.startswith(y) or y.startswith(x) for x in _words(a) for y in _words(b))
+
+
+def _readme_meanings() -> dict[str, str]:
+    text = " ".join((PACKAGE.parent / "README.md").read_text().split())
+    para = text.split("one alphabet, `x_BxTxD`:", 1)[1].split(". The Python API", 1)[0]
+    return _meanings(para)
+
+
+def _legends() -> dict[str, str]:
+    """{module path: its docstring's "Shapes" legend, up to the first sentence end}."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if "Shapes" in doc:
+            legend = " ".join(doc[doc.index("Shapes"):].split("\n\n")[0].split())
+            legend = re.split(r"\.(?: [A-Z\"`]|$)", legend.split(":", 1)[1], maxsplit=1)[0]
+            out[str(path.relative_to(PACKAGE.parent))] = legend
+    return out
+
+
+def test_module_shape_legends_give_each_letter_the_readme_meaning():
+    """A module's own "Shapes: ..." legend uses the README's letters in the README's sense
+    (a shared word), so N never counts heads nor M the dataset's prompts."""
+    readme = _readme_meanings()
+    assert len(readme) >= 20, readme
+    legends = _legends()
+    assert len(legends) >= 5, legends
+    wrong = [f"{path}: {letter} = {meaning!r} (README: {readme.get(letter)!r})"
+             for path, legend in legends.items()
+             for letter, meaning in _meanings(legend).items()
+             if letter not in readme or not _same_sense(meaning, readme[letter])]
+    assert not wrong, "\n".join(wrong)
+
+
+def _rank(name: str | None) -> int | None:
+    """The number of axes a shape-suffixed name declares (`x_BxT`: 2); None without a suffix."""
+    m = re.search(r"_([A-Z](?:x[A-Z0-9])*)$", name or "")
+    return len(m[1].split("x")) if m else None
+
+
+def _arg_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return str(node.slice.value)
+    return None
+
+
+def _rank_mismatches(trees: dict[str, ast.Module]) -> list[str]:
+    """Calls that pass a shape-suffixed value to a shape-suffixed parameter of another rank
+    (functions of the package with a unique name; keyword and positional arguments)."""
+    params: dict[str, list[str] | None] = {}
+    for tree in trees.values():  # module-level functions and methods (not nested helpers)
+        nodes = tree.body + [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
+        for fn in nodes:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+                names = names[1:] if names[:1] in (["self"], ["cls"]) else names
+                names += [a.arg for a in fn.args.kwonlyargs]
+                params[fn.name] = None if fn.name in params else names
+    bad = []
+    for path, tree in trees.items():
+        for call in ast.walk(tree):
+            if not isinstance(call, ast.Call):
+                continue
+            callee = _arg_name(call.func)
+            names = params.get(callee or "")
+            if not names:
+                continue
+            pairs = [(names[i], a) for i, a in enumerate(call.args)
+                     if i < len(names) and not isinstance(a, ast.Starred)]
+            pairs += [(k.arg, k.value) for k in call.keywords if k.arg in names]
+            for param, value in pairs:
+                got, want = _rank(_arg_name(value)), _rank(param)
+                if got is not None and want is not None and got != want:
+                    bad.append(f"{path}:{call.lineno}: {callee}({param}=...{_arg_name(value)})")
+    return bad
+
+
+def test_shape_names_agree_in_rank_across_calls():
+    """A value named `x_NxL` never lands in a parameter named `y_N` (the names would lie)."""
+    trees = {str(p.relative_to(PACKAGE.parent)): ast.parse(p.read_text())
+             for p in PACKAGE.rglob("*.py")}
+    assert not _rank_mismatches(trees)
+    probe = ast.parse("def f(adv_N):\n    pass\nf(batch['advantages_ZxL'])\nf(adv_N=x_BxT)\n")
+    assert len(_rank_mismatches({"probe": probe})) == 2  # the check can fail
+
+
+def test_update_layout_unpacks_as_its_letters():
+    """`layout()` returns (M, U, R): every unpacking names them m, u, r (or _)."""
+    seen = 0
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and _arg_name(node.value.func) == "layout"
+                    and isinstance(node.targets[0], ast.Tuple)):
+                names = [t.id for t in node.targets[0].elts if isinstance(t, ast.Name)]
+                assert all(n in (want, "_") for n, want in zip(names, "mur")), (path, names)
+                seen += 1
+    assert seen >= 3

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sage_jax.config import HINTED_METHODS
 from sage_jax.core import sage
 from sage_jax.engine import sampling, sft_step as sft
 from sage_jax.models.decoder import Decoder
@@ -425,7 +426,7 @@ def _gate(cal: dict, *, levels, method: str, hint_source: str, kmax: int) -> dic
     l1 = cal["hint_write_acc"].get(1)
     source, why = pick_hint_source(hint_source, l1)
     ok_self = True
-    if method in ("sage", "sage_light") and source in SELF_WRITTEN:
+    if method in HINTED_METHODS and source in SELF_WRITTEN:
         ok_self = l1 is not None and l1 >= GATE_WRITE_ACC
         got = "not measured" if l1 is None else f"{l1:.0%}"
         notes.append(f"self-written hints ({method}, hint.source={source}): level 1 right "
