@@ -305,7 +305,7 @@ class EvalConfig(Section):
     temperature: float = 0.6  # Sampling temperature.
     top_p: float = 0.95  # Nucleus sampling mass.
     max_new_tokens: int = 8192  # Longest answer.
-    data_dir: str | None = None  # Folder of benchmark files; None = the evaluator's default.
+    data_dir: str | None = None  # Folder of benchmark files; None = their Hub datasets.
     limit: int | None = None  # Problems per benchmark (the first ones); None = all.
 
     def validate(self) -> None:
