@@ -10,6 +10,7 @@ are the local files' (the same benchmarks, from the Qwen2.5-Math evaluation copi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,11 @@ def test_a_dataset_not_in_the_cache_offline_is_one_clear_error(tmp_path, monkeyp
         eval_lib.load_problems(["aime24"], None)
     with pytest.raises(ValueError, match="gpqa_diamond' has no Hub source.*--data-dir"):
         load_hub_benchmark("gpqa_diamond")
+
+
+def test_a_dataset_without_the_named_field_is_one_clear_error(hub_cache, monkeypatch):
+    src = HUB_SOURCES["aime25"]
+    monkeypatch.setitem(HUB_SOURCES, "aime25", dataclasses.replace(src, problem="prompt"))
+    with pytest.raises(ValueError, match=r"Hub dataset math-ai/aime25 \(default/test\): row 0: "
+                                         r"no 'prompt' field \(keys: \['answer', 'id', 'problem'\]\)"):
+        load_hub_benchmark("aime25")
