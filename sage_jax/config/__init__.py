@@ -10,8 +10,8 @@ from sage_jax.config.loader import (
 )
 from sage_jax.config.schema import (
     PAPER_BENCHMARKS, CheckpointConfig, Config, ConfigError, DataConfig, DType, EvalConfig,
-    HintConfig, LoggingConfig, MeshConfig, ModelConfig, OptimConfig, RLConfig, Section, TaskConfig,
-    TrainConfig, check_sampling, require,
+    HintConfig, LoggingConfig, MeshConfig, ModelConfig, OptimConfig, RLConfig, RolloutConfig,
+    Section, TaskConfig, TrainConfig, check_sampling, require,
 )
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "resolve_config_path", "save_config", "to_dict", "to_yaml",
     "PAPER_BENCHMARKS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DType",
     "EvalConfig", "HintConfig", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimConfig",
-    "RLConfig", "Section", "TaskConfig", "TrainConfig", "check_sampling", "require",
+    "RLConfig", "RolloutConfig", "Section", "TaskConfig", "TrainConfig", "check_sampling",
+    "require",
 ]
