@@ -71,7 +71,8 @@ def _write(repo: Path, name: str, rows: list[dict[str, Any]]) -> None:
         pq.write_table(pa.Table.from_pylist(rows), path)
         if src.config == "main":
             (repo / "README.md").write_text(GSM8K_README)
-            pq.write_table(pa.Table.from_pylist(rows[:2]), repo / "main" / "train-00000-of-00001.parquet")
+            pq.write_table(pa.Table.from_pylist(rows[:2]),
+                           repo / "main" / "train-00000-of-00001.parquet")
         return
     repo.mkdir(parents=True)
     (repo / f"{src.split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -148,5 +149,6 @@ def test_a_dataset_without_the_named_field_is_one_clear_error(hub_cache, monkeyp
     src = HUB_SOURCES["aime25"]
     monkeypatch.setitem(HUB_SOURCES, "aime25", dataclasses.replace(src, problem="prompt"))
     with pytest.raises(ValueError, match=r"Hub dataset math-ai/aime25 \(default/test\): row 0: "
-                                         r"no 'prompt' field \(keys: \['answer', 'id', 'problem'\]\)"):
+                                         r"no 'prompt' field \(keys: \['answer', 'id', "
+                                         r"'problem'\]\)"):
         load_hub_benchmark("aime25")
