@@ -1,6 +1,7 @@
 """`python -m sage_jax.evaluate`: hint-free avg@k / pass@k of a policy on math benchmarks.
 
     python -m sage_jax.evaluate --model HF_DIR --data-dir ../shared/data            # paper's six
+    python -m sage_jax.evaluate --model Qwen/Qwen2.5-0.5B-Instruct     # six, from the Hub datasets
     python -m sage_jax.evaluate --checkpoint runs/x --data-dir DATA --benchmarks math500,gsm8k
     python -m sage_jax.evaluate --checkpoint runs/x/200 --k 4 --limit 20 --max-new-tokens 1024
 
@@ -48,7 +49,8 @@ def _parse(argv):
                         f"six; a toy-task checkpoint: toy)")
     p.add_argument("--data-dir", default=None,
                    help="folder with eval/<name>/test.jsonl or eval_verl/<name>.parquet "
-                        "(default: eval.data_dir of the run's config)")
+                        "(default: eval.data_dir of the run's config; without either, each "
+                        "benchmark's Hugging Face Hub dataset, see docs/running.md)")
     p.add_argument("--layout", choices=("auto", "jsonl", "verl"), default="auto",
                    help="benchmark file layout (auto: JSONL when present, else parquet)")
     p.add_argument("--k", type=int, default=_DEFAULTS.k,

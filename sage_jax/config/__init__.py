@@ -10,8 +10,8 @@ from sage_jax.config.loader import (
 )
 from sage_jax.config.schema import (
     HINTED_METHODS, PAPER_BENCHMARKS, CheckpointConfig, Config, ConfigError, DataConfig, DType,
-    EvalConfig, HintConfig, LoggingConfig, MeshConfig, ModelConfig, OptimConfig, RLConfig, Section,
-    TaskConfig, TrainConfig, check_sampling, require,
+    EvalConfig, HintConfig, LoggingConfig, MeshConfig, ModelConfig, OptimConfig, RLConfig,
+    RolloutConfig, Section, TaskConfig, TrainConfig, check_sampling, require,
 )
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "HINTED_METHODS", "PAPER_BENCHMARKS", "CheckpointConfig", "Config", "ConfigError",
     "DataConfig", "DType",
     "EvalConfig", "HintConfig", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimConfig",
-    "RLConfig", "Section", "TaskConfig", "TrainConfig", "check_sampling", "require",
+    "RLConfig", "RolloutConfig", "Section", "TaskConfig", "TrainConfig", "check_sampling",
+    "require",
 ]

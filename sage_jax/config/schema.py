@@ -293,6 +293,19 @@ class MeshConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutConfig(Section):
+    """The engine that samples every rollout pass: the first pass, hint writing, hinted
+    re-samples (docs/running.md, "Rollouts with vLLM")."""
+
+    engine: Literal["native", "vllm"] = "native"  # native: the jit sampler; vllm: sage_jax[vllm].
+    vllm_memory: float = 0.3  # vllm: share of the accelerator's memory for its weights and cache.
+
+    def validate(self) -> None:
+        require(0 < self.vllm_memory <= 1, "rollout.vllm_memory", self.vllm_memory,
+                "must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingConfig(Section):
     """Where metrics go besides metrics.jsonl and TensorBoard: Weights & Biases."""
 
@@ -314,7 +327,7 @@ class EvalConfig(Section):
     temperature: float = 0.6  # Sampling temperature.
     top_p: float = 0.95  # Nucleus sampling mass.
     max_new_tokens: int = 8192  # Longest answer.
-    data_dir: str | None = None  # Folder of benchmark files; None = the evaluator's default.
+    data_dir: str | None = None  # Folder of benchmark files; None = their Hub datasets.
     limit: int | None = None  # Problems per benchmark (the first ones); None = all.
 
     def validate(self) -> None:
@@ -355,6 +368,7 @@ class Config(Section):
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     hint: HintConfig = dataclasses.field(default_factory=HintConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from sage_jax.engine import sampling
 from sage_jax.infra.rewards import Scorer
 from sage_jax.tasks.benchmarks import ALL_BENCHMARKS, BENCHMARKS, Problem, load_benchmark
+from sage_jax.tasks.hub_benchmarks import load_hub_benchmark
 
 
 # ---- problems ---------------------------------------------------------------------------------
@@ -28,7 +29,7 @@ from sage_jax.tasks.benchmarks import ALL_BENCHMARKS, BENCHMARKS, Problem, load_
 def load_problems(names: Sequence[str], data_dir: str | Path | None, *, limit: int | None = None,
                   layout: str = "auto") -> dict[str, list[Problem]]:
     """{benchmark: its problems (the first `limit`)} for benchmark names of `ALL_BENCHMARKS`, read
-    from `data_dir`."""
+    from `data_dir`, or without one from their Hub datasets (`tasks.hub_benchmarks`)."""
     if not names:
         raise ValueError("no benchmarks to evaluate")
     unknown = [n for n in names if n not in ALL_BENCHMARKS]
@@ -38,9 +39,7 @@ def load_problems(names: Sequence[str], data_dir: str | Path | None, *, limit: i
     if len(set(names)) != len(names):
         raise ValueError(f"benchmark listed twice in {', '.join(names)}")
     if data_dir is None:
-        raise ValueError(
-            "no benchmark data folder: pass --data-dir (or set eval.data_dir), the folder "
-            "that holds eval/<name>/test.jsonl or eval_verl/<name>.parquet")
+        return {name: load_hub_benchmark(name, limit=limit) for name in names}
     return {name: load_benchmark(name, data_dir, layout=layout, limit=limit) for name in names}
 
 

@@ -145,6 +145,15 @@ def gpu_target_config(chip: Chip) -> str:
             f"device_description_str: \"{chip.name}\"\n")
 
 
+def _host_bounds(topo: Topology) -> dict:
+    """libtpu's `chips_per_host_bounds` for a slice smaller than a host (a v5e-1: `v5e:1x1`,
+    which libtpu's default 2x2x1 host does not divide); nothing for larger slices."""
+    dims = [int(x) for x in (topo.tpu_name or "").partition(":")[2].split("x") if x]
+    if not dims or math.prod(dims) >= 4:
+        return {}
+    return {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
+
+
 def compile_devices(topo: Topology) -> list:
     """Compile-only devices of `topo` (no accelerator needed): programs lowered on a mesh of
     them compile for that hardware and report its memory use."""
@@ -158,8 +167,8 @@ def compile_devices(topo: Topology) -> list:
                                ("TPU_ACCELERATOR_TYPE", "v5litepod-4")):
                 os.environ.setdefault(key, value)
         try:
-            desc = topologies.get_topology_desc(topology_name=topo.tpu_name,
-                                                     platform="tpu")
+            desc = topologies.get_topology_desc(topology_name=topo.tpu_name, platform="tpu",
+                                                **_host_bounds(topo))
         except Exception as e:  # noqa: BLE001 - no libtpu, or a name libtpu refuses
             raise HardwareError(
                 f"cannot compile for TPU {topo.name} ({topo.tpu_name}): {_first_line(e)}; "

@@ -68,7 +68,8 @@ def _policy(args):
 
 def _problems(args, cfg, data_dir):
     """{benchmark: problems}: a run's task's built-in problems where it has them (no other
-    benchmark applies), else --benchmarks (default: the paper's six) from `data_dir`."""
+    benchmark applies), else --benchmarks (default: the paper's six) from `data_dir` (None: the
+    Hub)."""
     names = None if args.benchmarks is None else [
         n.strip() for n in args.benchmarks.split(",") if n.strip()]
     builtin = registry.plugin(cfg.task.name).eval_problems if cfg is not None else None

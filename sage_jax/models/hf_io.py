@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
@@ -147,6 +148,18 @@ def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None) -> Decod
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def hf_tensors(cfg: DecoderConfig, params: nnx.State, *, dtype=None) -> dict[str, Any]:
+    """{HF tensor name: array} of a decoder's parameters (`hf_names`: kernels transposed), as
+    model.safetensors holds them; `dtype` converts them (default: the parameters' own)."""
+    flat = dict(nnx.to_flat_state(params))
+    tensors = {}
+    for name, (ours, transpose) in hf_names(cfg).items():
+        t = flat[ours].get_value()
+        t = t.T if transpose else t
+        tensors[name] = jnp.asarray(t, dtype=dtype or t.dtype)
+    return tensors
+
+
 def to_hf(model: Decoder, out_dir: str | Path, *, dtype=None) -> Path:
     """Writes config.json + model.safetensors that `transformers` loads; returns the folder.
 
@@ -155,12 +168,7 @@ def to_hf(model: Decoder, out_dir: str | Path, *, dtype=None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg: DecoderConfig = model.cfg
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    tensors = {}
-    for name, (ours, transpose) in hf_names(cfg).items():
-        t = flat[ours].get_value()
-        t = t.T if transpose else t
-        tensors[name] = jnp.asarray(t, dtype=dtype or t.dtype)
+    tensors = hf_tensors(cfg, nnx.state(model, nnx.Param), dtype=dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = str(jnp.dtype(dtype or model.dtype).name)

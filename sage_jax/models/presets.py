@@ -5,7 +5,8 @@ from __future__ import annotations
 
 # Dimensions typed in from the public Hugging Face config.json files of these checkpoints
 # (nothing can be downloaded here). The qwen3-4b and llama3.2-3b values are identical to the
-# copies in ../shared/data/tokenizers/*/config.json; qwen2.5-7b is Qwen/Qwen2.5-7B-Instruct's.
+# copies in ../shared/data/tokenizers/*/config.json; qwen2.5-7b is Qwen/Qwen2.5-7B-Instruct's,
+# qwen2.5-0.5b Qwen/Qwen2.5-0.5B-Instruct's (below).
 PRESETS = {
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064,
@@ -31,3 +32,7 @@ PRESETS = {
         "max_position_embeddings": 131072, "attention_bias": False, "mlp_bias": False,
         "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
 }
+# Qwen/Qwen2.5-0.5B-Instruct: the 7B's family, smaller, embeddings tied (the free-Colab recipe).
+PRESETS["qwen2.5-0.5b"] = dict(
+    PRESETS["qwen2.5-7b"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
+    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)

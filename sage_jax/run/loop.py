@@ -29,7 +29,7 @@ from sage_jax.engine.state import TrainState
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.rl import batching, rollout
 from sage_jax.rl.types import Rollout, SageTables
-from sage_jax.run import build
+from sage_jax.run import build, vllm_engine
 from sage_jax.tasks import data as data_lib, registry
 from sage_jax.tasks.base import Task
 from sage_jax.tasks.benchmarks import Problem
@@ -142,6 +142,7 @@ class _Run:
     logger: metrics_lib.MetricsLogger
     eval_problems: dict[str, list[Problem]] | None
     last_saved: int = 0
+    engine: vllm_engine.VllmSampler | None = None  # rollout.engine=vllm; None: the native sampler
 
     def save(self, step: int) -> None:
         if step != self.last_saved or self.ckpt.latest_step() is None:
@@ -160,6 +161,7 @@ def train(cfg: Config, workdir: str | Path, *, stop_after: int | None = None) ->
     `stop_after`: stop (with a checkpoint) once this many steps are done in total.
     """
     check_hint_source(cfg)
+    vllm_engine.check(cfg)  # before anything starts: an engine that cannot run is one line
     run = _start(cfg, Path(workdir))
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, stop_after)
     metrics: dict = {}
@@ -221,6 +223,8 @@ def _start(cfg: Config, workdir: Path) -> _Run:
         state, _, step = resumed
         say(f"resumed from {ckpt.step_dir(step)}")
     start = int(state.step)
+    engine = (vllm_engine.build(cfg, model.cfg, state.params, task.eos_ids, task.pad_id)
+              if cfg.rollout.engine == "vllm" else None)
     scorer = distributed.ShardedScorer(rewards.RewardPool(  # each process scores its share
         reward, timeout_s=cfg.rl.reward_timeout_s))
     wandb_run = (wandb_log.WandbRun(workdir, cfg.logging, config_lib.to_dict(cfg))
@@ -236,7 +240,7 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 ckpt=ckpt,
                 step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
-                last_saved=start)
+                last_saved=start, engine=engine)
 
 
 def _resume_from(ckpt: checkpoint.Checkpointer, step: int | None, is_main: bool) -> None:
@@ -260,14 +264,16 @@ def _step(run: _Run, step: int) -> dict:
         int(run.state.data_position), cfg.rl.prompts_per_step, len(run.examples),
         cfg.train.seed, cfg.data.shuffle)
     batch_examples = [run.examples[i] for i in idx]
-    sampler = batching.PolicySampler(run.graphdef, run.state.params, key=run.state.rng,
-                                     step=step, eos_ids=task.eos_ids, pad_id=task.pad_id,
-                                     mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size)
+    sampler = run.engine.at_step(step) if run.engine is not None else batching.PolicySampler(
+        run.graphdef, run.state.params, key=run.state.rng, step=step, eos_ids=task.eos_ids,
+        pad_id=task.pad_id, mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size)
     timer = metrics_lib.Timer()
     ro = rollout.run(batch_examples, idx, task=task, sampler=_timed(sampler, timer, "sample"),
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)
     host_memory.trim()  # what sampling freed, before the update's peak
+    gap = ({} if run.engine is None else
+           vllm_engine.logprob_gap(run.graphdef, run.state.params, ro, task.pad_id))
     batch = batching.update_batch(ro, run.step_fn.settings, padding_free=cfg.rl.padding_free,
                                   loss_context=cfg.rl.loss_context, adv_scale=cfg.rl.adv_scale,
                                   pad_id=task.pad_id,
@@ -281,9 +287,12 @@ def _step(run: _Run, step: int) -> dict:
     sampling.drop_programs()  # prompt lengths not seen before compile more of them each step
     host_memory.trim()
     run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
+    if run.engine is not None:
+        with timer("sync"):
+            run.engine.load(run.state.params)  # the updated policy samples the next step
     _check_finite(upd, step, run.last_saved, run.workdir)
     elapsed = time.perf_counter() - t_step
-    metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics,
+    metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics, **gap,
                **{k: float(v) for k, v in upd.items()}, **timer.metrics(),
                "time/step_s": elapsed, "tokens/sampled": sampler.generated_tokens,
                "throughput/tokens_per_s": sampler.generated_tokens / elapsed}

@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 
 from sage_jax.tasks.math_grading import extract_boxed, normalize_answer
 
-__all__ = ["ALL_BENCHMARKS", "BENCHMARKS", "Problem", "benchmark_path", "load_benchmark",
-           "normalize_answer"]
+__all__ = ["ALL_BENCHMARKS", "ANSWER_FORMS", "BENCHMARKS", "Problem", "benchmark_path",
+           "load_benchmark", "normalize_answer", "read_fields", "repair_escapes", "to_problems"]
 
 BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
 """The paper's six in-distribution benchmarks (their mean accuracy is the headline number)."""
@@ -91,12 +91,22 @@ def load_benchmark(name: str, data_dir: str | Path, *, layout: Layout = "auto",
     if not path.is_file():
         raise FileNotFoundError(f"benchmark {name!r} ({layout} layout): no file at {path}")
     rows = _read_jsonl(path) if layout == "jsonl" else pq.read_table(path).to_pylist()
-    to_problem = _from_jsonl if layout == "jsonl" else _from_verl
+    return to_problems(name, rows, str(path), _from_jsonl if layout == "jsonl" else _from_verl,
+                       limit=limit, repair=repair)
+
+
+RowReader = Callable[[str, dict[str, Any], str, bool], tuple[str, str]]
+"""(benchmark, row, where, repair) -> (problem text, normalised answer); ValueError naming where."""
+
+
+def to_problems(name: str, rows: list[dict[str, Any]], where: str, read: RowReader, *,
+                limit: int | None = None, repair: bool = True) -> list[Problem]:
+    """The first `limit` of `rows` as `Problem`s of benchmark `name`, each read by `read`, with
+    the known malformed ground truths fixed when `repair`."""
     rows = rows if limit is None else rows[:limit]
     problems = []
     for i, row in enumerate(rows):
-        where = f"{path}: row {i}"
-        text, answer = to_problem(name, row, where, repair)
+        text, answer = read(name, row, f"{where}: row {i}", repair)
         if repair:
             answer = _ANSWER_FIXES.get(name, {}).get(answer, answer)
         problems.append(Problem(problem=text, answer=answer, index=i, source=name))
@@ -154,23 +164,37 @@ def _olympiad_answer(final_answer: Any, where: str) -> str:
     return ", ".join(normalize_answer(a) for a in final_answer)
 
 
-_JSONL_ANSWER: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
-    "minerva_math": ("solution", lambda s, where: extract_boxed(s)),
-    "olympiadbench": ("final_answer", _olympiad_answer),
-    "gsm8k": ("answer", _gsm8k_answer),
+ANSWER_FORMS: dict[str, Callable[[Any, str], Any]] = {
+    "as_is": lambda x, where: x,
+    "boxed": lambda s, where: extract_boxed(s),  # the last \\boxed{} of a worked solution
+    "list": _olympiad_answer,  # OlympiadBench's final_answer list, joined by commas
+    "gsm8k": _gsm8k_answer,  # the number after "####" of a worked solution
 }
+"""How an answer field gives the ground truth, by name (given, with `where` for errors)."""
+
+_JSONL_ANSWER = {"minerva_math": ("solution", "boxed"), "olympiadbench": ("final_answer", "list"),
+                 "gsm8k": ("answer", "gsm8k")}
 
 
 def _from_jsonl(name: str, row: dict[str, Any], where: str, repair: bool) -> tuple[str, str]:
-    text = _field(row, ("problem", "question"), where)
-    field, extract = _JSONL_ANSWER.get(name, ("answer", lambda x, where: x))
-    raw = extract(_field(row, (field,), where), where)
+    field, form = _JSONL_ANSWER.get(name, ("answer", "as_is"))
+    return read_fields(row, where, ("problem", "question"), field, form)
+
+
+def read_fields(row: dict[str, Any], where: str, problem_keys: tuple[str, ...], answer_key: str,
+                form: str, repair: bool = False) -> tuple[str, str]:
+    """(problem text, normalised answer) of a row with the problem under the first present of
+    `problem_keys` and the answer under `answer_key` in `ANSWER_FORMS[form]`; `repair`: LaTeX
+    escapes turned into control characters are restored in the text."""
+    text = _field(row, problem_keys, where)
+    raw = ANSWER_FORMS[form](_field(row, (answer_key,), where), where)
     if raw is None:
-        raise ValueError(f"{where}: no balanced \\boxed{{...}} answer in field {field!r}")
-    return text, _checked_answer(raw, where, field)
+        raise ValueError(f"{where}: no balanced \\boxed{{...}} answer in field {answer_key!r}")
+    return (repair_escapes(text) if repair else text), _checked_answer(raw, where, answer_key)
 
 
-def _repair_escapes(text: str) -> str:
+def repair_escapes(text: str) -> str:
+    """`text` with the LaTeX commands that a JSON-escaping bug made control characters restored."""
     return _TAB_COMMAND_RE.sub(r"\\t", _FORM_FEED_RE.sub(r"\\f", text))
 
 
@@ -181,7 +205,7 @@ def _from_verl(name: str, row: dict[str, Any], where: str, repair: bool) -> tupl
     user = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     if not user or not user[-1]:
         raise ValueError(f"{where}: field 'prompt' has no user message")
-    text = _repair_escapes(user[-1]) if repair else user[-1]
+    text = repair_escapes(user[-1]) if repair else user[-1]
     if repair and name == "minerva_math":
         solution = (row.get("extra_info") or {}).get("solution") or ""
         raw = extract_boxed(solution)

@@ -177,10 +177,12 @@ def test_evaluate_problems_with_the_real_math_checker(tiny_toy_policy):
     assert [s["score"] for s in res["samples"]] == [1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
 
 
-def test_load_problems_errors(tmp_path):
+def test_load_problems_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown benchmark.*aime99"):
         eval_lib.load_problems(["aime99"], tmp_path)
-    with pytest.raises(ValueError, match="--data-dir"):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # no folder: from the Hub, offline
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
         eval_lib.load_problems(["aime24"], None)
     with pytest.raises(FileNotFoundError, match="aime24"):
         eval_lib.load_problems(["aime24"], tmp_path)

@@ -33,6 +33,8 @@ OPTIONAL = {
     "wandb": "W&B logging with logging.wandb (an optional dependency)",
     "resource": "POSIX only",
     "jax._src": "a private JAX helper that may move (guarded by try)",
+    "vllm": "rollout.engine=vllm (the optional extra sage_jax[vllm]); importing it loads torch",
+    "torch": "vLLM's weight loading, only with rollout.engine=vllm",
 }
 
 

