@@ -214,7 +214,12 @@ class _Step:
     rewards: np.ndarray | None = None
     texts: list[list[str]] | None = None
     collapse: np.ndarray | None = None
-    resample_s: float = 0.0
+    # seconds per phase of `infra.phases.PHASES` that the rollout runs (without "time/", "_s")
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def timed(self, phase: str, t0: float) -> None:
+        """Adds the time since `t0` to `phase`."""
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
     @classmethod
     def start(cls, examples: Sequence[Example], ids: np.ndarray, *, task: Task,
@@ -253,9 +258,13 @@ class _Step:
 def first_pass(g: _Step) -> None:
     """One group per prompt with its current context; records the first-pass status."""
     rows = list(range(len(g.examples)))
+    t0 = time.perf_counter()
     g.samples = g.sample(rows, g.prompts, salt=0)
+    g.timed("first_sample", t0)
+    t0 = time.perf_counter()
     g.rewards, g.texts = _score(g.samples, rows, g.examples, g.task, g.scorer,
                                 dict(enumerate(g.hints)))
+    g.timed("first_reward", t0)
     st = g.status()
     g.metrics["collapse/frac_all_zero"] = float(st["all_zero"].mean())
     g.metrics["collapse/all_zero_groups"] = float(st["all_zero"].sum())
@@ -280,7 +289,7 @@ def escalate(g: _Step, lvl: int, hint_of: Callable[[int], str | None] | None) ->
         if hint[i] is not None:
             g.level[i], g.hints[i] = lvl, hint[i]
     g.metrics[f"hint/used_level_{lvl}"] = float(len(sel))
-    g.resample_s += time.perf_counter() - t0
+    g.timed(f"resample_level_{lvl}", t0)
 
 
 def _context(g: _Step, i: int, hint: str | None) -> list[int]:
@@ -340,12 +349,14 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
         tables: SageTables, step: int) -> Rollout:
     """Samples, scores and (per `rl.method`) hints one step of prompts, with the settings of
     `rl` (cfg.rl) and `hint` (cfg.hint); updates `tables` in place."""
+    t0 = time.perf_counter()
     g = _Step.start(examples, dataset_ids, task=task, sampler=sampler, scorer=scorer, rl=rl)
     source = HintSource(hint, examples=examples, dataset_ids=g.ids, task=task, sampler=sampler,
                         tables=tables, step=step)
     METHODS[rl.method](g, source, tables, hint)
     after = g.status()
     _record(g, source, after, tables)
+    _record_time(g, source, time.perf_counter() - t0)
     assert g.samples is not None and g.rewards is not None and g.texts is not None
     assert g.collapse is not None, "first_pass sets the collapse status"
     return Rollout(prompts=g.prompts, plain_prompts=g.plain, samples=g.samples,
@@ -381,5 +392,16 @@ def _record(g: _Step, source: HintSource, after: dict, tables: SageTables) -> No
     tables.seen[ids] = True
     m["hint/frac_never_solved"] = float(
         (tables.seen & ~tables.ever_solved).sum() / max(tables.seen.sum(), 1))
+
+
+def _record_time(g: _Step, source: HintSource, total: float) -> None:
+    """The rollout's phases (`infra.phases.PHASES`): first pass, hint writing, each re-sample
+    level, and the rest of `total` as host work; `time/resample_s` sums the levels."""
+    m, sec = g.metrics, {"first_sample": 0.0, "first_reward": 0.0, **g.seconds}
+    levels = [sec.get(f"resample_level_{lvl}", 0.0) for lvl in sage.LEVELS]
+    for lvl, s in zip(sage.LEVELS, levels):
+        m[f"time/resample_level_{lvl}_s"] = s
+    m["time/first_sample_s"], m["time/first_reward_s"] = sec["first_sample"], sec["first_reward"]
     m["time/hint_s"] = source.seconds
-    m["time/resample_s"] = g.resample_s
+    m["time/resample_s"] = float(sum(levels))
+    m["time/rollout_host_s"] = total - sum(sec.values()) - source.seconds

@@ -240,22 +240,24 @@ def _step(run: _Run, step: int) -> dict:
     """One RL step (rollout, batch, update; validation when due), logged; returns its metrics."""
     cfg, task, mesh = run.cfg, run.task, run.mesh
     t_step = time.perf_counter()
-    idx, position = data_lib.next_batch_indices(
-        int(run.state.data_position), cfg.rl.prompts_per_step, len(run.examples),
-        cfg.train.seed, cfg.data.shuffle)
-    batch_examples = [run.examples[i] for i in idx]
-    sampler = batching.PolicySampler(run.graphdef, run.state.params, key=run.state.rng,
-                                     step=step, eos_ids=task.eos_ids, pad_id=task.pad_id,
-                                     mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size)
-    timer = metrics_lib.Timer()
+    timer = metrics_lib.Timer()  # the phases of `infra.phases.PHASES` that the loop runs
+    with timer("host"):
+        idx, position = data_lib.next_batch_indices(
+            int(run.state.data_position), cfg.rl.prompts_per_step, len(run.examples),
+            cfg.train.seed, cfg.data.shuffle)
+        batch_examples = [run.examples[i] for i in idx]
+        sampler = batching.PolicySampler(run.graphdef, run.state.params, key=run.state.rng,
+                                         step=step, eos_ids=task.eos_ids, pad_id=task.pad_id,
+                                         mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size)
     ro = rollout.run(batch_examples, idx, task=task, sampler=_timed(sampler, timer, "sample"),
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)
-    host_memory.trim()  # what sampling freed, before the update's peak
-    batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
-                                 adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
-                                 sampler_logprobs=cfg.rl.old_logprobs == "sampler"
-                                 and cfg.rl.loss_context == "hinted")
+    with timer("host"):
+        host_memory.trim()  # what sampling freed, before the update's peak
+        batch = batching.train_batch(ro, loss_context=cfg.rl.loss_context,
+                                     adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
+                                     sampler_logprobs=cfg.rl.old_logprobs == "sampler"
+                                     and cfg.rl.loss_context == "hinted")
     with timer("update"):
         if cfg.rl.padding_free:
             batch = update.pack_batch(batch, cfg)
@@ -263,9 +265,10 @@ def _step(run: _Run, step: int) -> dict:
         state, upd = run.step_fn(run.state, parallel.shard_batch(
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
-    sampling.drop_programs()  # prompt lengths not seen before compile more of them each step
-    host_memory.trim()
-    run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
+    with timer("host"):
+        sampling.drop_programs()  # prompt lengths not seen before compile more of them each step
+        host_memory.trim()
+        run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
     _check_finite(upd, step, run.last_saved, run.workdir)
     elapsed = time.perf_counter() - t_step
     metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics,
