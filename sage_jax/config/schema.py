@@ -180,6 +180,12 @@ class HintConfig(Section):
     low: float = 0.1  # sage_light: raise the level when last accuracy <= low.
     high: float = 0.35  # sage_light: lower the level when last accuracy > high.
     max_level: int = 3  # Highest hint level (and re-sampling rounds for sage / resample).
+    # sage / resample re-sampling: sequential = one sampler call per level, for the prompts
+    # still unresolved; speculative = every level of every unresolved prompt in one call, then
+    # kept level by level as sequential keeps them (each row's key folds in its level, so the
+    # groups kept are those of sequential escalation with the same keys; the answers of levels
+    # not needed are sampled and dropped). The two draw from different keys.
+    escalation: Literal["sequential", "speculative"] = "sequential"
     max_request_tokens: int = 4096  # Longer hint requests are skipped (counted), never cut.
     cache_bytes: int = 2048  # Bytes per level kept in the train state's hint cache.
 
