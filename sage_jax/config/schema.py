@@ -136,6 +136,10 @@ class RLConfig(Section):
     # With loss_context=plain the trainer recomputes them anyway: hinted answers were sampled
     # in another context.
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    # Sequence columns per chunk of logits in the update's log-probs (loss and recomputed
+    # old log-probs); smaller: fewer [rows, chunk, vocab] float32 temporaries, the same values;
+    # None = all columns at once.
+    logprob_chunk: int | None = 256
 
     def validate(self) -> None:
         require(self.group_size >= 2, "group_size", self.group_size,
@@ -151,6 +155,8 @@ class RLConfig(Section):
         require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", self.dual_clip,
                  "must be > 1, or 0 to turn dual-clip off")
         require(self.kl_beta >= 0, "kl_beta", self.kl_beta, "must be >= 0")
+        require(self.logprob_chunk is None or self.logprob_chunk >= 1, "logprob_chunk",
+                self.logprob_chunk, "must be >= 1, or null for all columns at once")
         require(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
         require(self.micro_batch_size is None or self.micro_batch_size >= 1,
                  "micro_batch_size", self.micro_batch_size, "must be >= 1, or null for all")

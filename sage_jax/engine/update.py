@@ -32,6 +32,7 @@ on the sampling params: its old log-probs are that update's own (stop-gradient),
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ OPTIONAL = ("old_logp_NxL", "ref_logp_NxL", "level_N", "collapse_N")
 PACKED_REQUIRED = ("tokens_SxL", "segments_SxL", "loss_mask_SxL", "advantages_SxL",
                    "answer_len_SxL", "advantages_N", "answer_len_N")
 PACKED_OPTIONAL = ("old_logp_SxL", "ref_logp_SxL", "level_N", "collapse_N")
-DEFAULT_CHUNK = 256  # Sequence columns per chunk of logits in the loss.
+DEFAULT_CHUNK = RLConfig.logprob_chunk  # Sequence columns per chunk of logits in the loss.
 
 
 def total_updates(cfg: Config) -> int:
@@ -342,14 +343,16 @@ class TrainStep:
     compile), then runs `train_step` jitted with the state's partition-rule shardings, rows over
     ("data", "fsdp"), metrics replicated, and the state donated.
 
-    chunk: sequence columns per chunk of logits (None = all at once); remat_logits: recompute
+    chunk: sequence columns per chunk of logits (None = all at once; "config": the run's
+    `rl.logprob_chunk`); remat_logits: recompute
     each chunk's logits in the backward pass (memory [R, C, V] instead of [R, L, V] floats for
     R rows per micro-batch)."""
 
-    def __init__(self, graphdef, cfg: Config, mesh: Mesh, *, chunk: int | None = DEFAULT_CHUNK,
-                 remat_logits: bool = True):
+    def __init__(self, graphdef, cfg: Config, mesh: Mesh, *,
+                 chunk: int | None | Literal["config"] = "config", remat_logits: bool = True):
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
-        self.chunk, self.remat_logits = chunk, remat_logits
+        self.chunk = cfg.rl.logprob_chunk if chunk == "config" else chunk
+        self.remat_logits = remat_logits
         self._jitted = {}
 
     def jitted(self, state):

@@ -124,6 +124,9 @@ def test_bad_batches_fail_before_compiling():
     mesh = parallel.make_mesh(MeshConfig(-1, 1, 1))
     cfg = make_cfg()
     step = update.TrainStep(None, cfg, mesh)  # never compiled: every call must fail first
+    assert step.chunk == cfg.rl.logprob_chunk == update.DEFAULT_CHUNK  # rl.logprob_chunk
+    assert update.TrainStep(None, make_cfg(logprob_chunk=64), mesh).chunk == 64
+    assert update.TrainStep(None, cfg, mesh, chunk=None).chunk is None
     good = make_batch(16)
     with pytest.raises(ValueError, match="12 rows.*data=8 x fsdp=1"):
         step(None, make_batch(12))
