@@ -39,6 +39,7 @@ import study_claims  # noqa: E402
 import toy_study_report as study  # noqa: E402
 from sage_jax.infra import checkpoint, compile_cache, provenance
 from sage_jax import config  # noqa: E402
+from sage_jax.infra.phases import phase_medians  # noqa: E402
 from sage_jax.jobs import toy_job  # noqa: E402
 from sage_jax.infra.metrics import GROUPS_FILE, read_metrics  # noqa: E402
 from sage_jax.run import build, loop, restore  # noqa: E402
@@ -150,6 +151,7 @@ def run_one(arm: str, seed: int, steps: int, out: Path, overrides: list[str], *,
     step_s = [r["time/step_s"] for r in rows[1:] if "time/step_s" in r]  # step 1 compiles
     res = {"arm": arm, "seed": seed, "steps": len(rows), "wall_s": wall,
            "median_step_s": float(np.median(step_s)) if step_s else float("nan"),
+           "phases": phase_medians(rows),
            "accuracy": curve[-1]["accuracy"], "curve": curve,
            **({"split": curve[-1]["split"]} if "split" in curve[-1] else {}),
            **visit_numbers(groups, rows),

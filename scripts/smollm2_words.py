@@ -28,6 +28,7 @@ import numpy as np
 
 from sage_jax import config as config_lib, models
 from sage_jax.infra import metrics as metrics_lib, provenance, rewards
+from sage_jax.infra.phases import phase_medians, phase_table
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.run import build, loop, restore
 from sage_jax.tasks import registry
@@ -104,6 +105,7 @@ def rl_summary(workdir: Path) -> dict:
                                             f"hint/written_level_{lvl}") for lvl in (1, 2, 3)},
         "rescue": ratio("hint/rescued", "hint/prompts_needing_hint"),
         "step_s_median": float(np.nanmedian([r.get("time/step_s") for r in rows])),
+        "phases": phase_medians(rows),
     }
 
 
@@ -128,6 +130,8 @@ def write_report(out: Path, summary: dict) -> str:
             f"{s['step_s_median']:.0f} s | {s['all_zero_first_pass']:.2f} | {s['hint_parse']:.2f} | "
             f"{s['hint_right_level_1']:.2f}/{s['hint_right_level_2']:.2f}/"
             f"{s['hint_right_level_3']:.2f} | {s['hint_leaked']:.0f} | {s['rescue']:.2f} |")
+    lines += ["", "Time by phase (median seconds per step, steps 3 on):", "",
+              phase_table({a: summary[a]["rl"].get("phases", {}) for a in summary["arms"]})]
     if "sage_minus_grpo" in summary:
         d = summary["sage_minus_grpo"]
         lines += ["", f"SAGE − GRPO after RL (paired): {d['diff']:+.3f} "

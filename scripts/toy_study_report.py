@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sage_jax.infra.phases import PHASES, STEP, phase_table
+
 ALL_ZERO = 1  # `sage_jax.core.sage.COLLAPSE_ALL_ZERO`
 T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 NO_RESCUE = 0.02  # an arm that rescued under this share of its all-zero groups tests nothing
@@ -227,7 +229,9 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
             f"{np.median(v):.{d}f}{unit}" if v else "-" for v, d, unit in (
                 (wall, 1, " min"), (tokens, 2, " M"), (step, 2, " s"),
                 (ratio, 2, "× (paired by seed)"))) + " |")
-    lines += ["", "## What the paper claims, and what holds here", "",
+    lines += ["", "## Time by phase (median seconds per step over the timed runs' medians of steps "
+              "3 on)", "", arm_phase_table(by), "",
+              "## What the paper claims, and what holds here", "",
               "The claims table, every contrast paired by seed with its hint source: "
               "[claims.md](claims.md) (`scripts/study_claims.py`, generated from results.json).",
               "", "## No-hint accuracy by difficulty", "",
@@ -271,6 +275,18 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
         {"sft_start": start, "write_accuracy": write_acc, "runs": results}, indent=1))
     plots(by, start, arms, ks, out)
     return text
+
+
+def arm_phase_table(by: dict) -> str:
+    """Markdown: each arm's phases (`infra.phases`), medians over its timed runs that logged
+    them (runs from before the phases were logged have none)."""
+    cols = {}
+    for a, rs in by.items():
+        got = [r["phases"] for r in rs if r.get("timed", True) and r.get("phases")]
+        if got:
+            cols[a] = {k: float(np.median([p.get(k, 0.0) for p in got]))
+                       for k, _ in (*PHASES, (STEP, ""))}
+    return phase_table(cols)
 
 
 def plots(by: dict, start: list[dict], arms: list[str], ks: list[int], out: Path) -> None:

@@ -139,6 +139,10 @@ class RLConfig(Section):
     # With loss_context=plain the trainer recomputes them anyway: hinted answers were sampled
     # in another context.
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    # Sequence columns per chunk of logits in the update's log-probs (loss and recomputed
+    # old log-probs); smaller: fewer [rows, chunk, vocab] float32 temporaries, the same values;
+    # None = all columns at once.
+    logprob_chunk: int | None = 256
 
     @property
     def hinted(self) -> bool:
@@ -159,6 +163,8 @@ class RLConfig(Section):
         require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", self.dual_clip,
                  "must be > 1, or 0 to turn dual-clip off")
         require(self.kl_beta >= 0, "kl_beta", self.kl_beta, "must be >= 0")
+        require(self.logprob_chunk is None or self.logprob_chunk >= 1, "logprob_chunk",
+                self.logprob_chunk, "must be >= 1, or null for all columns at once")
         require(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
         require(self.micro_batch_size is None or self.micro_batch_size >= 1,
                  "micro_batch_size", self.micro_batch_size, "must be >= 1, or null for all")
@@ -189,6 +195,12 @@ class HintConfig(Section):
     low: float = 0.1  # sage_light: raise the level when last accuracy <= low.
     high: float = 0.35  # sage_light: lower the level when last accuracy > high.
     max_level: int = 3  # Highest hint level (and re-sampling rounds for sage / resample).
+    # sage / resample re-sampling: sequential = one sampler call per level, for the prompts
+    # still unresolved; speculative = every level of every unresolved prompt in one call, then
+    # kept level by level as sequential keeps them (each row's key folds in its level, so the
+    # groups kept are those of sequential escalation with the same keys; the answers of levels
+    # not needed are sampled and dropped). The two draw from different keys.
+    escalation: Literal["sequential", "speculative"] = "sequential"
     max_request_tokens: int = 4096  # Longer hint requests are skipped (counted), never cut.
     cache_bytes: int = 2048  # Bytes per level kept in the train state's hint cache.
 

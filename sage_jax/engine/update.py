@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sage_jax.config import Config, OptimConfig
+from sage_jax.config import Config, OptimConfig, RLConfig
 from sage_jax.core import grpo, sage
 from sage_jax import models
 from sage_jax.infra import parallel
@@ -54,7 +54,7 @@ from sage_jax.engine.state import TrainState, master_params
 PACKED_REQUIRED = ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL", "advantages_ZxL",
                    "answer_len_ZxL", "advantages_N", "answer_len_N")
 PACKED_OPTIONAL = ("old_logp_ZxL", "ref_logp_ZxL", "level_N", "collapse_N")
-DEFAULT_CHUNK = 256  # Sequence columns per chunk of logits in the loss.
+DEFAULT_CHUNK = RLConfig.logprob_chunk  # Sequence columns per chunk of logits in the loss.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,7 @@ class UpdateSettings:
     total_updates: int  # optimiser updates in the whole run (the lr schedule's length)
     seed: int  # train.seed: the state's rng
     master_fp32: bool  # model.master_fp32: float32 master params
+    logprob_chunk: int | None = DEFAULT_CHUNK  # rl.logprob_chunk: columns per chunk of logits
 
     @classmethod
     def of(cls, cfg: Config) -> UpdateSettings:
@@ -84,7 +85,7 @@ class UpdateSettings:
                    clip_high=rl.clip_high, dual_clip=rl.dual_clip, kl_beta=rl.kl_beta,
                    loss_agg=rl.loss_agg, norm_len=rl.max_new_tokens, row_len=row_len(cfg),
                    optim=cfg.optim, total_updates=total_updates(cfg), seed=cfg.train.seed,
-                   master_fp32=cfg.model.master_fp32)
+                   master_fp32=cfg.model.master_fp32, logprob_chunk=rl.logprob_chunk)
 
 
 def total_updates(cfg: Config) -> int:
@@ -367,14 +368,16 @@ class TrainStep:
     compile), then runs `train_step` jitted with the state's partition-rule shardings, rows over
     ("data", "fsdp"), metrics replicated, and the state donated.
 
-    chunk: sequence columns per chunk of logits (None = all at once); remat_logits: recompute
+    chunk: sequence columns per chunk of logits (None = all at once; "config": the run's
+    `rl.logprob_chunk`); remat_logits: recompute
     each chunk's logits in the backward pass (memory [R, C, V] instead of [R, L, V] floats for
     R rows per micro-batch)."""
 
     def __init__(self, graphdef, settings: UpdateSettings, mesh: Mesh, *,
-                 chunk: int | None = DEFAULT_CHUNK, remat_logits: bool = True):
+                 chunk: int | None | Literal["config"] = "config", remat_logits: bool = True):
         self.graphdef, self.settings, self.mesh = graphdef, settings, mesh
-        self.chunk, self.remat_logits = chunk, remat_logits
+        self.chunk = settings.logprob_chunk if chunk == "config" else chunk
+        self.remat_logits = remat_logits
         self._jitted = {}
 
     def jitted(self, state):

@@ -15,6 +15,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from sage_jax.infra.phases import phase_medians, phase_table
+
 CURVES = (  # (metric, label) per panel of the training curves
     (("reward/mean", "reward"),),
     (("collapse/frac_all_zero", "all-zero groups"),
@@ -130,6 +132,8 @@ def write_summary(workdir: str | Path, rows: Sequence[Mapping],
     text = "\n\n".join(x for x in (
         f"# {title}", "## Training (means over stretches of the run)", training_table(rows),
         rescue_line(rows),
+        "## Time by phase (median seconds per step, steps 3 on)",
+        phase_table({"this run": phase_medians(rows)}),
         "## No-hint accuracy by difficulty", accuracy_table(accuracy or {}), extra,
         "![summary](summary.png)") if x) + "\n"
     (workdir / "summary.md").write_text(text)

@@ -214,7 +214,15 @@ class _Step:
     rewards: np.ndarray | None = None
     texts: list[list[str]] | None = None
     collapse: np.ndarray | None = None
-    resample_s: float = 0.0
+    # re-sample keys: (salt=level, the prompt's id), or folded (salt FOLDED_SALT, the prompt's
+    # id * LEVEL_STRIDE + level: one call can then hold every level; `hint.escalation`)
+    folded_keys: bool = False
+    # seconds per phase of `infra.phases.PHASES` that the rollout runs (without "time/", "_s")
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def timed(self, phase: str, t0: float) -> None:
+        """Adds the time since `t0` to `phase`."""
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
     @classmethod
     def start(cls, examples: Sequence[Example], ids: np.ndarray, *, task: Task,
@@ -224,10 +232,13 @@ class _Step:
         return cls(examples, np.asarray(ids), task, sampler, scorer, rl, plain, list(plain),
                    np.zeros(b, np.int8), np.zeros(b, np.int8), [None] * b, {})
 
-    def sample(self, rows: Sequence[int], prompts: dict | list, salt: int) -> Samples:
+    def sample(self, rows: Sequence[int], prompts: dict | list, salt: int,
+               prompt_ids: np.ndarray | None = None) -> Samples:
+        """G answers for each row of `rows` (prompts[row]); keys from `salt` and `prompt_ids`
+        (default: the rows' dataset ids)."""
         rl = self.rl
-        got = self.sampler([prompts[i] for i in rows], prompt_ids=self.ids[np.asarray(rows)],
-                           salt=salt, num_samples=rl.group_size,
+        ids = self.ids[np.asarray(rows)] if prompt_ids is None else prompt_ids
+        got = self.sampler([prompts[i] for i in rows], prompt_ids=ids, salt=salt, num_samples=rl.group_size,
                            max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                            top_p=rl.top_p, top_k=rl.top_k)
         return _fit(got, rl.max_new_tokens)
@@ -253,9 +264,13 @@ class _Step:
 def first_pass(g: _Step) -> None:
     """One group per prompt with its current context; records the first-pass status."""
     rows = list(range(len(g.examples)))
+    t0 = time.perf_counter()
     g.samples = g.sample(rows, g.prompts, salt=0)
+    g.timed("first_sample", t0)
+    t0 = time.perf_counter()
     g.rewards, g.texts = _score(g.samples, rows, g.examples, g.task, g.scorer,
                                 dict(enumerate(g.hints)))
+    g.timed("first_reward", t0)
     st = g.status()
     g.metrics["collapse/frac_all_zero"] = float(st["all_zero"].mean())
     g.metrics["collapse/all_zero_groups"] = float(st["all_zero"].sum())
@@ -264,23 +279,88 @@ def first_pass(g: _Step) -> None:
         st["all_one"], COLLAPSE_ALL_ONE, COLLAPSE_MIXED)).astype(np.int8)
 
 
-def escalate(g: _Step, lvl: int, hint_of: Callable[[int], str | None] | None) -> None:
+FOLDED_SALT = 4  # re-sample salt of folded keys (first pass 0, levels 1-3, hint writing 1000+)
+LEVEL_STRIDE = 4  # folded keys: prompt id * LEVEL_STRIDE + level
+
+
+def _resample_keys(g: _Step, rows: Sequence[int], lvl: int) -> tuple[int, np.ndarray]:
+    """(salt, prompt ids) of the fresh groups of `rows` at level `lvl`."""
+    ids = g.ids[np.asarray(rows)]
+    if g.folded_keys:
+        return FOLDED_SALT, ids.astype(np.int64) * LEVEL_STRIDE + lvl
+    return lvl, ids
+
+
+HintOf = Callable[[int, int], "str | None"]  # (row, level) -> that level's hint, None: none
+
+
+def _wanted(g: _Step, lvl: int, hint_of: HintOf | None) -> list[int]:
+    """The still-unresolved rows that get a fresh group at level `lvl`."""
+    return [i for i in g.unresolved() if hint_of is None or hint_of(i, lvl) is not None]
+
+
+def escalate(g: _Step, lvl: int, hint_of: HintOf | None) -> None:
     """Round `lvl`: every still-unresolved prompt (with a level-`lvl` hint, when `hint_of` is
     given) gets a fresh group, which replaces its whole group."""
-    sel = [i for i in g.unresolved() if hint_of is None or hint_of(i) is not None]
+    sel = _wanted(g, lvl, hint_of)
     if not sel:
         return
     t0 = time.perf_counter()
-    hint = {i: None if hint_of is None else hint_of(i) for i in sel}
+    hint = {i: None if hint_of is None else hint_of(i, lvl) for i in sel}
     ctx = {i: _context(g, i, hint[i]) for i in sel}
-    got = g.sample(sel, ctx, salt=lvl)
+    salt, ids = _resample_keys(g, sel, lvl)
+    _keep(g, lvl, sel, g.sample(sel, ctx, salt=salt, prompt_ids=ids), hint, ctx)
+    g.timed(f"resample_level_{lvl}", t0)
+
+
+def escalate_speculative(g: _Step, max_level: int, hint_of: HintOf | None) -> None:
+    """Every level of every unresolved prompt (with a hint at that level) sampled in one call
+    with folded keys, then kept level by level exactly as `escalate` keeps them: a level's
+    groups are scored and replace their prompt's group only while it is unresolved. The one
+    call's time counts to level 1."""
+    g.folded_keys = True
+    first = g.unresolved()
+    todo = [(i, lvl) for lvl in range(1, max_level + 1) for i in first
+            if hint_of is None or hint_of(i, lvl) is not None]
+    if not todo:
+        return
+    t0 = time.perf_counter()
+    hint = {(i, lvl): None if hint_of is None else hint_of(i, lvl) for i, lvl in todo}
+    ctx = {(i, lvl): _context(g, i, hint[(i, lvl)]) for i, lvl in todo}
+    ids = np.concatenate([_resample_keys(g, [i], lvl)[1] for i, lvl in todo])
+    got = g.sample(list(range(len(todo))), [ctx[r] for r in todo], salt=FOLDED_SALT,
+                   prompt_ids=ids)
+    g.timed("resample_level_1", t0)
+    at = {r: j for j, r in enumerate(todo)}
+    for lvl in range(1, max_level + 1):
+        sel = [i for i in _wanted(g, lvl, hint_of) if (i, lvl) in at]
+        if not sel:
+            continue
+        t0 = time.perf_counter()
+        j = np.asarray([at[(i, lvl)] for i in sel])
+        _keep(g, lvl, sel, Samples(got.tokens[j], got.lengths[j], got.logprobs[j]),
+              {i: hint[(i, lvl)] for i in sel}, {i: ctx[(i, lvl)] for i in sel})
+        g.timed(f"resample_level_{lvl}", t0)
+
+
+def _keep(g: _Step, lvl: int, sel: list[int], got: Samples, hint: dict, ctx: dict) -> None:
+    """Scores `got` (row j: row sel[j]'s fresh group at level `lvl`) and makes each row's
+    fresh group its group."""
     rewards, texts = _score(got, sel, g.examples, g.task, g.scorer, hint)
     for j, i in enumerate(sel):
         g.replace(i, got, j, rewards, texts, ctx[i], lvl)
         if hint[i] is not None:
             g.level[i], g.hints[i] = lvl, hint[i]
     g.metrics[f"hint/used_level_{lvl}"] = float(len(sel))
-    g.resample_s += time.perf_counter() - t0
+
+
+def escalate_all(g: _Step, hint: HintConfig, hint_of: HintOf | None) -> None:
+    """Levels 1..hint.max_level, as `hint.escalation` says."""
+    if hint.escalation == "speculative":
+        escalate_speculative(g, hint.max_level, hint_of)
+        return
+    for lvl in range(1, hint.max_level + 1):
+        escalate(g, lvl, hint_of)
 
 
 def _context(g: _Step, i: int, hint: str | None) -> list[int]:
@@ -296,8 +376,7 @@ def _grpo(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig) ->
 
 def _resample(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig) -> None:
     first_pass(g)
-    for lvl in range(1, hint.max_level + 1):
-        escalate(g, lvl, None)
+    escalate_all(g, hint, None)
 
 
 def _sage(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig) -> None:
@@ -305,8 +384,7 @@ def _sage(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig) ->
     need = [i for i in g.unresolved() if source.has_solution(i)]
     g.metrics["hint/prompts_needing_hint"] = float(len(need))
     payloads = source.get(need)
-    for lvl in range(1, hint.max_level + 1):
-        escalate(g, lvl, lambda i, lvl=lvl: payloads.get(i, {}).get(lvl))
+    escalate_all(g, hint, lambda i, lvl: payloads.get(i, {}).get(lvl))
 
 
 def _sage_light(g: _Step, source: HintSource, tables: SageTables, hint: HintConfig
@@ -340,12 +418,14 @@ def run(examples: Sequence[Example], dataset_ids: np.ndarray, *, task: Task,
         tables: SageTables, step: int) -> Rollout:
     """Samples, scores and (per `rl.method`) hints one step of prompts, with the settings of
     `rl` (cfg.rl) and `hint` (cfg.hint); updates `tables` in place."""
+    t0 = time.perf_counter()
     g = _Step.start(examples, dataset_ids, task=task, sampler=sampler, scorer=scorer, rl=rl)
     source = HintSource(hint, examples=examples, dataset_ids=g.ids, task=task, sampler=sampler,
                         tables=tables, step=step)
     METHODS[rl.method](g, source, tables, hint)
     after = g.status()
     _record(g, source, after, tables)
+    _record_time(g, source, time.perf_counter() - t0)
     assert g.samples is not None and g.rewards is not None and g.texts is not None
     assert g.collapse is not None, "first_pass sets the collapse status"
     return Rollout(prompts=g.prompts, plain_prompts=g.plain, samples=g.samples,
@@ -381,5 +461,16 @@ def _record(g: _Step, source: HintSource, after: dict, tables: SageTables) -> No
     tables.seen[ids] = True
     m["hint/frac_never_solved"] = float(
         (tables.seen & ~tables.ever_solved).sum() / max(tables.seen.sum(), 1))
+
+
+def _record_time(g: _Step, source: HintSource, total: float) -> None:
+    """The rollout's phases (`infra.phases.PHASES`): first pass, hint writing, each re-sample
+    level, and the rest of `total` as host work; `time/resample_s` sums the levels."""
+    m, sec = g.metrics, {"first_sample": 0.0, "first_reward": 0.0, **g.seconds}
+    levels = [sec.get(f"resample_level_{lvl}", 0.0) for lvl in sage.LEVELS]
+    for lvl, s in zip(sage.LEVELS, levels):
+        m[f"time/resample_level_{lvl}_s"] = s
+    m["time/first_sample_s"], m["time/first_reward_s"] = sec["first_sample"], sec["first_reward"]
     m["time/hint_s"] = source.seconds
-    m["time/resample_s"] = g.resample_s
+    m["time/resample_s"] = float(sum(levels))
+    m["time/rollout_host_s"] = total - sum(sec.values()) - source.seconds

@@ -260,35 +260,37 @@ def _step(run: _Run, step: int) -> dict:
     """One RL step (rollout, batch, update; validation when due), logged; returns its metrics."""
     cfg, task, mesh = run.cfg, run.task, run.mesh
     t_step = time.perf_counter()
-    idx, position = data_lib.next_batch_indices(
-        int(run.state.data_position), cfg.rl.prompts_per_step, len(run.examples),
-        cfg.train.seed, cfg.data.shuffle)
-    batch_examples = [run.examples[i] for i in idx]
-    sampler = run.engine.at_step(step) if run.engine is not None else batching.PolicySampler(
-        run.graphdef, run.state.params, key=run.state.rng, step=step, eos_ids=task.eos_ids,
-        pad_id=task.pad_id, mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size)
-    timer = metrics_lib.Timer()
+    timer = metrics_lib.Timer()  # the phases of `infra.phases.PHASES` that the loop runs
+    with timer("host"):
+        idx, position = data_lib.next_batch_indices(
+            int(run.state.data_position), cfg.rl.prompts_per_step, len(run.examples),
+            cfg.train.seed, cfg.data.shuffle)
+        batch_examples = [run.examples[i] for i in idx]
+        sampler = run.engine.at_step(step) if run.engine is not None else batching.PolicySampler(
+            run.graphdef, run.state.params, key=run.state.rng, step=step, eos_ids=task.eos_ids,
+            pad_id=task.pad_id, mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size)
     ro = rollout.run(batch_examples, idx, task=task, sampler=_timed(sampler, timer, "sample"),
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)
-    host_memory.trim()  # what sampling freed, before the update's peak
-    gap = ({} if run.engine is None else
-           vllm_engine.logprob_gap(run.graphdef, run.state.params, ro, task.pad_id))
-    batch = batching.update_batch(ro, run.step_fn.settings, padding_free=cfg.rl.padding_free,
-                                  loss_context=cfg.rl.loss_context, adv_scale=cfg.rl.adv_scale,
-                                  pad_id=task.pad_id,
-                                  sampler_logprobs=cfg.rl.old_logprobs == "sampler"
-                                  and cfg.rl.loss_context == "hinted")
+    with timer("host"):
+        host_memory.trim()  # what sampling freed, before the update's peak
+        gap = ({} if run.engine is None else
+               vllm_engine.logprob_gap(run.graphdef, run.state.params, ro, task.pad_id))
+        batch = batching.update_batch(ro, run.step_fn.settings, padding_free=cfg.rl.padding_free,
+                                      loss_context=cfg.rl.loss_context,
+                                      adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
+                                      sampler_logprobs=cfg.rl.old_logprobs == "sampler"
+                                      and cfg.rl.loss_context == "hinted")
     with timer("update"):
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
-    sampling.drop_programs()  # prompt lengths not seen before compile more of them each step
-    host_memory.trim()
-    run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
-    if run.engine is not None:
-        with timer("sync"):
+    with timer("host"):
+        sampling.drop_programs()  # prompt lengths not seen before compile more of them each step
+        host_memory.trim()
+        run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
+        if run.engine is not None:  # (its weight sync counts as host work between phases)
             run.engine.load(run.state.params)  # the updated policy samples the next step
     _check_finite(upd, step, run.last_saved, run.workdir)
     elapsed = time.perf_counter() - t_step

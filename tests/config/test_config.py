@@ -121,6 +121,8 @@ def test_unknown_yaml_keys(tmp_path):
     (["model.remat=maybe"], ["'model.remat'", "expected bool"]),
     (["rl.micro_batch_size=x"], ["'rl.micro_batch_size'", "expected int or null"]),
     (["rl.clip_low=-0.1"], ["'rl.clip_low'", "[0, 1)"]),
+    (["rl.logprob_chunk=0"], ["'rl.logprob_chunk'", "must be >= 1, or null"]),
+    (["hint.escalation=eager"], ["'hint.escalation'", "'sequential', 'speculative'"]),
     (["hint.low=0.5"], ["'hint.high'", "[low, 1]"]),
     (["eval.benchmarks=[1]"], ["'eval.benchmarks[0]'", "expected str"]),
     (["rl=3"], ["'rl' is a section"]),

@@ -135,6 +135,9 @@ def test_bad_batches_fail_before_compiling():
     cfg = make_cfg()
     step = update.TrainStep(None,
                             settings_of(cfg), mesh)  # never compiled: every call must fail first
+    assert step.chunk == cfg.rl.logprob_chunk == update.DEFAULT_CHUNK  # rl.logprob_chunk
+    assert update.TrainStep(None, settings_of(make_cfg(logprob_chunk=64)), mesh).chunk == 64
+    assert update.TrainStep(None, settings_of(cfg), mesh, chunk=None).chunk is None
     good = packing.as_packed(make_batch(16))
     with pytest.raises(ValueError, match="pack it"):  # the update takes the packed form only
         step(None, make_batch(16))

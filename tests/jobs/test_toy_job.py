@@ -67,6 +67,8 @@ def test_default_job_runs_end_to_end_and_caches_the_warm_start(tmp_path, capsys)
     assert "| 1-1 |" in summary and "reward" in summary and "all-zero groups" in summary
     assert "all-zero groups over the run" in summary or "No group was all-zero" in summary
     assert "## What the multi-seed studies found" in summary and "docs/toy_tail" in summary
+    assert "## Time by phase" in summary and "| hint writing |" in summary
+    assert "| whole step |" in summary
     png = (run / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # a second start reads the cache (same parameters), it does not train again

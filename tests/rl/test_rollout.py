@@ -384,3 +384,74 @@ def test_the_update_batch_is_packed_from_the_rows_as_the_padded_batch_packs(mini
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     assert want["tokens_ZxL"].shape == padded["tokens_NxL"].shape  # one row per sequence
     assert (got["tokens_ZxL"][~got["segments_ZxL"].astype(bool)] == 3).any()  # pad_id kept
+
+
+class KeyedPolicy(ScriptedPolicy):
+    """Each answer right with probability (level + 0.5) / 5, drawn from its key (salt, prompt id,
+    sample) alone, and its tokens carry the draw: equal keys give equal answers in any call."""
+
+    def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, **kw):
+        out = super().__call__(prompts, prompt_ids=prompt_ids, salt=salt,
+                               num_samples=num_samples, max_new_tokens=max_new_tokens, **kw)
+        for b, text in enumerate(self.calls[-1][2]):
+            if text.startswith("R:"):
+                continue
+            hint = text.partition("|H:")[2]
+            have = int(hint.split(";")[-1][1:]) if hint else 0
+            for g in range(num_samples):
+                u = np.random.default_rng([salt, int(prompt_ids[b]), g]).random()
+                s = f"{'RIGHT' if u < (have + 0.5) / 5 else 'WRONG'}@{have}#{u:.6f}"
+                out.tokens[b, g] = 0
+                out.tokens[b, g, :len(s)] = [ord(c) for c in s]
+                out.lengths[b, g] = len(s)
+        return out
+
+
+@pytest.mark.parametrize("method", ["sage", "resample"])
+def test_speculative_escalation_keeps_the_groups_of_sequential_escalation(method):
+    """hint.escalation=speculative: one call for every level, and the groups kept (tokens,
+    rewards, levels, contexts) are those of level-by-level escalation with the same keys."""
+    ex = make_examples([1, 2, 3, 4, 2, 3, 1, 4] * 2)
+    ids = np.arange(len(ex))
+    hint = HintConfig(source="online", escalation="speculative")
+    rl = RLConfig(method=method, group_size=G, max_new_tokens=24)
+
+    def step(speculative):
+        policy = KeyedPolicy()
+        g = rollout._Step.start(ex, ids, task=CharTask(), sampler=policy, scorer=scorer, rl=rl)
+        tables = rollout.SageTables.empty(len(ex), hint_width=64)
+        source = rollout.HintSource(hint, examples=ex, dataset_ids=ids, task=CharTask(),
+                                    sampler=policy, tables=tables, step=0)
+        rollout.first_pass(g)
+        payloads = source.get(g.unresolved()) if method == "sage" else {}
+        hint_of = (lambda i, lvl: payloads.get(i, {}).get(lvl)) if method == "sage" else None
+        if speculative:
+            rollout.escalate_all(g, hint, hint_of)
+        else:
+            g.folded_keys = True  # the same keys, one call per level
+            for lvl in (1, 2, 3):
+                rollout.escalate(g, lvl, hint_of)
+        return g, policy
+
+    seq, seq_policy = step(False)
+    spec, spec_policy = step(True)
+    assert seq.samples is not None and spec.samples is not None
+    np.testing.assert_array_equal(spec.samples.tokens, seq.samples.tokens)
+    np.testing.assert_array_equal(spec.samples.lengths, seq.samples.lengths)
+    np.testing.assert_array_equal(spec.rewards, seq.rewards)
+    np.testing.assert_array_equal(spec.level, seq.level)
+    np.testing.assert_array_equal(spec.rnd, seq.rnd)
+    assert spec.prompts == seq.prompts and spec.hints == seq.hints and spec.texts == seq.texts
+    assert {k: v for k, v in spec.metrics.items() if k.startswith("hint/used")} == {
+        k: v for k, v in seq.metrics.items() if k.startswith("hint/used")}
+    assert seq.rnd.max() >= 2 and (method == "resample" or {1, 2} <= set(seq.rnd.tolist()))
+
+    def answer_calls(policy):
+        return [ids for _, ids, texts in policy.calls if texts[0].startswith("Q:")]
+    levels = sum(seq.metrics.get(f"hint/used_level_{lvl}", 0) > 0 for lvl in (1, 2, 3))
+    assert len(answer_calls(seq_policy)) == 1 + levels and len(answer_calls(spec_policy)) == 2
+    # speculative: every level of the first pass's unresolved prompts, in one call
+    first_unresolved = int((seq.collapse != rollout.COLLAPSE_ALL_ONE).sum() - (
+        (seq.collapse == rollout.COLLAPSE_MIXED).sum()))
+    assert len(answer_calls(spec_policy)[1]) == 3 * first_unresolved
+    assert sum(map(len, answer_calls(seq_policy)[1:])) < 3 * first_unresolved  # unneeded levels

@@ -15,6 +15,7 @@ from sage_jax.run import restore
 from sage_jax.infra import checkpoint, provenance, rewards
 from sage_jax import config, train
 from sage_jax.infra.metrics import read_metrics
+from sage_jax.infra.phases import PHASES, phase_sum
 from sage_jax.tasks import registry
 
 TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
@@ -29,7 +30,7 @@ SAGE = ["collapse/frac_all_zero", "collapse/frac_all_one", "collapse/frac_all_ze
         "hint/prompts_needing_hint", "hint/write_failed", "hint/used_level_1",
         "hint/used_level_2", "hint/used_level_3", "hint/rescued", "hint/acc_level_0",
         "hint/acc_level_1", "hint/acc_level_2", "hint/acc_level_3", "hint/frac_never_solved",
-        "time/hint_s", "time/resample_s"]
+        "time/hint_s", "time/resample_s"] + [k for k, _ in PHASES]
 
 
 def cfg(*overrides):
@@ -48,6 +49,12 @@ def test_each_method_runs_and_writes_metrics(tmp_path, method):
     assert [r["step"] for r in rows] == [1, 2]
     for key in REQUIRED + SAGE:
         assert key in rows[-1], key
+    for r in rows:  # the phases are disjoint and cover the step
+        assert all(r[k] >= 0 for k, _ in PHASES), {k: r[k] for k, _ in PHASES}
+        assert abs(phase_sum(r) - r["time/step_s"]) <= 0.01 * r["time/step_s"] + 0.005, (
+            phase_sum(r), r["time/step_s"])
+        assert r["time/resample_s"] == pytest.approx(sum(
+            r[f"time/resample_level_{lvl}_s"] for lvl in (1, 2, 3)))
     for r in rows:
         assert r["hint/used_level_1"] <= r["hint/prompts_needing_hint"] or method == "resample"
         assert 0 <= r["collapse/frac_all_zero_after"] <= r["collapse/frac_all_zero"] + 1e-9

@@ -55,3 +55,15 @@ def test_contended_runs_are_left_out_of_the_times_only(tmp_path):
     assert "not from sage-online-s1 (contended.json)" in text
     assert "| sage-online | 1 | - | 0.00 M | 2.00 s | 2.00× (paired by seed) |" in text
     assert "| sage-online | 2 | 0.650 ± " in text  # its accuracy still counts
+
+
+def test_phase_table_uses_the_timed_runs_that_logged_phases(tmp_path):
+    runs = [_run("grpo", 0, 0.5, 0.0, 0.9), _run("sage-online", 0, 0.6, 0.2, 0.9),
+            _run("sage-online", 1, 0.7, 0.4, 0.95)]
+    runs[1]["phases"] = {"time/step_s": 4.0, "time/hint_s": 1.0, "time/update_s": 3.0}
+    runs[2]["phases"] = {"time/step_s": 40.0, "time/hint_s": 10.0, "time/update_s": 30.0}
+    (tmp_path / "contended.json").write_text('{"runs": ["sage-online-s1"]}')
+    start = [{"seed": 0, "accuracy": {8: 0.4, 9: 0.4}}]
+    text = study.report(runs, start, ["grpo", "sage-online"], tmp_path, "note")
+    assert "| phase | sage-online (s) |" in text  # grpo logged no phases
+    assert "| hint writing | 1.000 (25%) |" in text and "| whole step | 4.000 |" in text
