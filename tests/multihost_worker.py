@@ -1,10 +1,13 @@
-"""One process of tests/infra/test_multihost.py: `python tests/multihost_worker.py WORKDIR REPORT`.
+"""One process of tests/infra/test_multihost.py:
+`python tests/multihost_worker.py WORKDIR REPORT [kill|term STEP]`.
 
 The environment gives the cluster (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID,
 4 fake CPU devices each). Checks the host-side helpers of `sage_jax.infra.distributed`, then trains the
-toy task for two steps with `loop.train` (checkpoint at step 2), restores that checkpoint on
+toy task for two steps with `loop.train` (checkpoint at step 2), restores the latest checkpoint on
 all processes with the trainer's own restore path, and writes REPORT (JSON): the helpers'
-results, the process layout, the last metrics and a hash of every parameter.
+results, the process layout, the steps this process ran, the checkpoints it saved, the last
+metrics and a hash of every parameter. `kill STEP`: process 1 SIGKILLs itself after step STEP.
+`term STEP`: process 1 (only) gets a SIGTERM as step STEP starts, as a preempted host does.
 """
 
 import hashlib
@@ -17,7 +20,7 @@ import numpy as np
 
 from sage_jax.run import loop
 from sage_jax.run import restore
-from sage_jax.infra import distributed
+from sage_jax.infra import checkpoint, distributed
 from sage_jax.tasks import registry
 
 # rl.reward_timeout_s: a fresh reward worker imports the toy task (jax, flax) on its first answer,
@@ -34,30 +37,38 @@ def param_hashes(model) -> dict[str, str]:
     return {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in host.items()}
 
 
-def main(workdir: str, report: str, die_after: int | None = None) -> None:
+def main(workdir: str, report: str, fault: str | None = None, at: int | None = None) -> None:
     assert distributed.initialize_from_env(), "the environment should ask for 2 processes"
     import jax
     from sage_jax import config
 
-    if die_after is not None and jax.process_index() == 1:
-        real_step = loop._step
+    steps_run, saves = [], []
+    real_step, real_save = loop._step, checkpoint.Checkpointer.save
 
-        def step_then_die(run, step):  # the host is lost right after this step
-            out = real_step(run, step)
-            if step + 1 == die_after:
-                print(f"process 1: killing myself after step {step + 1}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return out
+    def watched_step(run, step):
+        if fault == "term" and step + 1 == at and jax.process_index() == 1:
+            print(f"process 1: SIGTERM as step {step + 1} starts", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        steps_run.append(step + 1)
+        out = real_step(run, step)
+        if fault == "kill" and step + 1 == at and jax.process_index() == 1:
+            print(f"process 1: killing myself after step {step + 1}", flush=True)  # host lost
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
 
-        loop._step = step_then_die
+    def counted_save(self, step, state, **kw):
+        saves.append(step)
+        return real_save(self, step, state, **kw)
+
+    loop._step, checkpoint.Checkpointer.save = watched_step, counted_save
     out = {"helpers": helpers()}
     cfg = registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", ARGS)
     metrics = loop.train(cfg, workdir)
-    _, model, step = restore.restore_policy(workdir)  # every process restores (orbax needs all)
+    _, model, restored = restore.restore_policy(workdir)  # every process restores (orbax needs all)
     out.update(process_index=jax.process_index(), process_count=jax.process_count(),
                devices=jax.device_count(), local_devices=jax.local_device_count(),
-               restored_step=step, loss=metrics["loss"], reward=metrics["reward/mean"],
-               params=param_hashes(model))
+               steps_run=steps_run, saves=saves, restored_step=restored, loss=metrics["loss"],
+               reward=metrics["reward/mean"], params=param_hashes(model))
     with open(report, "w") as f:
         json.dump(out, f)
 
@@ -100,4 +111,4 @@ def helpers() -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    main(sys.argv[1], sys.argv[2], *([sys.argv[3], int(sys.argv[4])] if len(sys.argv) > 3 else []))

@@ -162,6 +162,15 @@ def test_restore_keeps_target_shardings(tmp_path):
         assert_bitwise_equal(resharded, state)
 
 
+def test_keys_saved_as_raw_key_data_restore_as_the_targets_typed_keys(tmp_path):
+    """Checkpoints written before orbax recorded the key type hold raw key data."""
+    keys = {"fry": jax.random.key(3), "rbg": jax.random.split(jax.random.key(4, impl="rbg"), 2)}
+    target = {"fry": jax.random.key(0), "rbg": jax.random.split(jax.random.key(0, impl="rbg"), 2)}
+    with Checkpointer(tmp_path, keep=1) as ck:
+        ck.save(1, jax.tree.map(jax.random.key_data, keys))
+        assert_bitwise_equal(ck.restore(target=target)[0], keys)
+
+
 def _two_steps(tmp_path):
     s1, s2 = make_state(1), make_state(2)
     with Checkpointer(tmp_path, keep=3) as ck:

@@ -1,6 +1,7 @@
 """Multi-host: two JAX processes on this machine (a local coordinator, 4 CPU devices each, gloo
 collectives) train two steps as one 8-device run and write one checkpoint that a single process
-restores; plus the environment rules of `distributed.initialize_from_env`."""
+restores; a SIGTERM on one of them stops both at one step and the rerun resumes exactly; plus
+the environment rules of `distributed.initialize_from_env`."""
 
 import hashlib
 import json
@@ -49,9 +50,9 @@ def _start_workers(workdir: Path, reports: list[Path], *extra: str, **env_extra:
     return procs, logs
 
 
-def _run_workers(workdir: Path, reports: list[Path]) -> None:
+def _run_workers(workdir: Path, reports: list[Path], *extra: str) -> None:
     """Runs the worker script as processes 0 and 1 of one JAX cluster (4 CPU devices each)."""
-    procs, logs = _start_workers(workdir, reports)
+    procs, logs = _start_workers(workdir, reports, *extra)
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while any(p.poll() is None for p in procs):
@@ -111,6 +112,36 @@ def test_two_processes_train_and_a_single_process_restores(cluster):
         assert hashlib.sha256(v.tobytes()).hexdigest() == r0["params"][k], k
 
 
+def test_sigterm_on_one_process_stops_both_at_one_step_and_the_rerun_resumes_exactly(
+        cluster, tmp_path):
+    """A preempted host: process 1 alone gets SIGTERM as step 1 starts. Both processes finish
+    step 1, save checkpoint 1 once and exit 0; the same command again resumes from it on both
+    and ends bit-identical to the uninterrupted run (`cluster`), its metrics step for step."""
+    straight, (s0, _) = cluster
+    workdir = tmp_path / "run"
+    term = [tmp_path / f"term{i}.json" for i in range(2)]
+    _run_workers(workdir, term, "term", "1")
+    stopped = [json.loads(r.read_text()) for r in term]
+    for r in stopped:
+        assert (r["steps_run"], r["saves"], r["restored_step"]) == ([1], [1], 1)
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1"]
+    log0, log1 = (r.with_suffix(".log").read_text() for r in term)
+    assert "signal 15: saving a checkpoint after this step" in log1
+    assert "signal 15" not in log0 and "stopped at step 1" in log0  # told by process 1
+
+    again = [tmp_path / f"again{i}.json" for i in range(2)]
+    _run_workers(workdir, again)
+    resumed = [json.loads(r.read_text()) for r in again]
+    for r in resumed:
+        assert (r["steps_run"], r["saves"], r["restored_step"]) == ([2], [2], 2)
+        assert r["params"] == s0["params"]  # sha256 of every parameter
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+    rows, want = read_metrics(workdir / "metrics.jsonl"), read_metrics(straight / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for got, expected in zip(rows, want):
+        np.testing.assert_equal(drop(got), drop(expected))
+
+
 LOST_HOST_LIMIT_S = 120
 
 
@@ -119,7 +150,8 @@ def test_a_lost_process_never_hangs_the_others(tmp_path):
     second: process 0 exits non-zero within the bound, saying that a task died, instead of
     waiting in a collective forever."""
     reports = [tmp_path / f"process{i}.json" for i in range(2)]
-    procs, logs = _start_workers(tmp_path / "run", reports, "1", SAGE_JAX_HEARTBEAT_TIMEOUT_S="20",
+    procs, logs = _start_workers(tmp_path / "run", reports, "kill", "1",
+                                 SAGE_JAX_HEARTBEAT_TIMEOUT_S="20",
                                  SAGE_JAX_SHUTDOWN_TIMEOUT_S="20")
     try:
         deadline = time.monotonic() + TIMEOUT_S
