@@ -114,7 +114,7 @@ def run_estimate(args):
         max_new_tokens=settings["max_new_tokens"], group_size=group,
         minibatches=rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
         master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=settings["logprob_chunk"],
-        sample_prompts=settings["sample_prompts"])
+        sample_prompts=settings["sample_prompts"], continuous=rl.continuous_batching)
     return est, settings
 
 

@@ -121,10 +121,13 @@ class RLConfig(Section):
     minibatches: int = 2  # Optimiser updates per training step (the batch is split this way).
     # Sequences per gradient-accumulation pass; a smaller mini-batch is one pass; None = all.
     micro_batch_size: int | None = None
-    # Answer rows the sampler decodes at once (its KV cache's rows): a call with more rows
-    # batches continuously, a finished row's slot taking the next pending prompt's rows (the
-    # same answers, as each row's randomness is its prompt's and its own); None = all at once.
+    # Answer rows the sampler decodes at once (its KV cache's rows); None = all at once. A call
+    # with more rows samples its prompts in chunks of rollout_micro_batch_size // answers-per-
+    # prompt (whole groups), or, with continuous_batching, refills a finished row's slot with
+    # the next pending prompt's rows (one row per group, each with its prompt's keys/values:
+    # more cache than chunks). Either way the same answers: each row's randomness is its own.
     rollout_micro_batch_size: int | None = None
+    continuous_batching: bool = False
     epochs_per_batch: int = 1  # Passes over each step's rollouts.
     # The update packs whole rows end to end into its sequences (same loss and gradients,
     # fewer padding tokens; a micro-batch is then at most micro_batch_size packed sequences).

@@ -310,7 +310,8 @@ def sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCon
     progs = _sampler_programs(prefix, graphdef, params, model_cfg, cfg, mesh, prompts=prompts,
                               group=group, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                               temperature=temperature, optimizer_bytes=optimizer_bytes,
-                              all_buckets=all_buckets, continuous=passes > 1)
+                              all_buckets=all_buckets,
+                              continuous=passes > 1 and cfg.rl.continuous_batching)
     for q in progs:
         q.calls *= passes
     return progs

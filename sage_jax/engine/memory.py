@@ -281,13 +281,14 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
              group_size: int = 8, minibatches: int = 2, param_dtype="bfloat16",
              compute_dtype="bfloat16", master_fp32: bool = True, remat: bool = True,
              optimizer: str = "adamw", logprob_chunk: int | None = update.DEFAULT_CHUNK,
-             sample_prompts: int | None = None) -> Estimate:
+             sample_prompts: int | None = None, continuous: bool = False) -> Estimate:
     """Per-device bytes of a run (see `Estimate`): `rows_per_step` = prompts * group_size
     answers per step, `micro_batch_rows` rows per gradient-accumulation pass (None = a whole
     mini-batch, rows_per_step / minibatches), prompts of up to `prompt_len` tokens (the
     sampler rounds them up to `sampling.prompt_bucket`, the update its rows of prompt + answer
     to a `sampling.length_bucket`), answers of `max_new_tokens`; `sample_prompts` prompts per
-    sampling call (None = all the step's prompts at once, as `rollout.run` samples them).
+    sampling call (None = all the step's prompts at once, as `rollout.run` samples them);
+    `continuous`: with fewer than all, the calls batch continuously (`rl.continuous_batching`).
     `mesh_shape` maps "data", "fsdp", "tensor" to sizes."""
     mesh = fake_mesh(mesh_shape)
     state = abstract_state(model_cfg, param_dtype=param_dtype, compute_dtype=compute_dtype,
@@ -298,7 +299,7 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
                               prompts=sample_prompts or rows_per_step // group_size,
                               group_size=group_size, prompt_len=prompt_len,
                               max_new_tokens=max_new_tokens, dtype=param_dtype,
-                              continuous=bool(sample_prompts)
+                              continuous=continuous and bool(sample_prompts)
                               and sample_prompts < rows_per_step // group_size)
     terms = activation_terms(
         model_cfg, mesh, rows_per_step=rows_per_step,

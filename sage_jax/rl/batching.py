@@ -24,18 +24,32 @@ class PolicySampler:
     `params` are used where they are (the trainer's, on its mesh: no host round trip); `mesh`,
     the mesh they live on, places prompt rows and KV caches on it (see `sampling`); None: no
     placement (one device). `max_rows`: at most this many answer rows decode at once
-    (`rl.rollout_micro_batch_size`; continuous batching, see `sampling.sample`; None: all at
-    once)."""
+    (`rl.rollout_micro_batch_size`; None: all at once): a call samples its prompts in chunks of
+    whole groups, or with `continuous` (`rl.continuous_batching`) in one `sampling.sample`
+    call that refills finished rows' slots."""
 
     def __init__(self, graphdef, params, *, key, step: int, eos_ids, pad_id: int, mesh=None,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, continuous: bool = False):
         self.graphdef, self.params, self.mesh, self.max_rows = graphdef, params, mesh, max_rows
+        self.continuous = continuous
         self.key = jax.random.fold_in(key, step)
         self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
         self.generated_tokens = 0
 
     def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, temperature,
                  top_p, top_k) -> Samples:
+        per_call = len(prompts)
+        if self.max_rows is not None and not self.continuous:
+            per_call = max(1, self.max_rows // num_samples)
+        knobs = dict(salt=salt, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                     temperature=temperature, top_p=top_p, top_k=top_k)
+        parts = [self._sample(prompts[i:i + per_call], prompt_ids[i:i + per_call], **knobs)
+                 for i in range(0, len(prompts), per_call)]
+        return parts[0] if len(parts) == 1 else Samples(
+            *(np.concatenate(x) for x in zip(*parts)))
+
+    def _sample(self, prompts, prompt_ids, *, salt, num_samples, max_new_tokens, temperature,
+                top_p, top_k) -> Samples:
         length = sampling.prompt_bucket(max(len(p) for p in prompts))
         tok, mask = sampling.left_pad(prompts, length, self.pad_id)
         out = sampling.sample(

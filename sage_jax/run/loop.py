@@ -268,7 +268,8 @@ def _step(run: _Run, step: int) -> dict:
         batch_examples = [run.examples[i] for i in idx]
         sampler = run.engine.at_step(step) if run.engine is not None else batching.PolicySampler(
             run.graphdef, run.state.params, key=run.state.rng, step=step, eos_ids=task.eos_ids,
-            pad_id=task.pad_id, mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size)
+            pad_id=task.pad_id, mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size,
+            continuous=cfg.rl.continuous_batching)
     ro = rollout.run(batch_examples, idx, task=task, sampler=_timed(sampler, timer, "sample"),
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)

@@ -178,10 +178,48 @@ def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
+def test_rollout_in_chunks_samples_the_same_answers(shape, monkeypatch):
+    """rl.rollout_micro_batch_size: a rollout (hinted re-samples included) sampled a few whole
+    groups at a time gives the answers and log-probs of sampling every prompt at once."""
+    devices = jax.devices()[:1] if shape == (1, 1, 1) else None
+    mesh = parallel.make_mesh(config.MeshConfig(*shape), devices)
+    task = toy.ToyTask()
+    graphdef, state = update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)),
+                                              settings_of(CFG), mesh)
+    idx = np.arange(PROMPTS)
+    sizes = []  # prompts of each sampling.sample call
+    sample = sampling.sample
+
+    def counted(graphdef, params, prompt_BxP, *args, **kw):
+        sizes.append(prompt_BxP.shape[0])
+        return sample(graphdef, params, prompt_BxP, *args, **kw)
+    monkeypatch.setattr(sampling, "sample", counted)
+
+    def run(max_rows):
+        sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
+                                         eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh,
+                                         max_rows=max_rows)
+        sizes.clear()
+        ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
+                         scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
+                         tables=rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes),
+                         step=0)
+        return ro, list(sizes)
+
+    (whole, whole_sizes), (chunked, chunk_sizes) = run(None), run(3 * GROUP)
+    assert whole.level.max() > 0  # some groups were re-sampled with a hint
+    assert whole_sizes[0] == PROMPTS and max(chunk_sizes) == 3  # 3 prompts a call at most
+    assert chunk_sizes[:3] == [3, 3, 2] and len(chunk_sizes) > len(whole_sizes)
+    np.testing.assert_array_equal(chunked.samples.tokens, whole.samples.tokens)
+    np.testing.assert_array_equal(chunked.samples.lengths, whole.samples.lengths)
+    np.testing.assert_allclose(chunked.samples.logprobs, whole.samples.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
 def test_rollout_with_fewer_slots_than_rows_samples_the_same_answers(shape, monkeypatch):
     """rl.rollout_micro_batch_size: a rollout (hinted re-samples included) whose calls decode at
-    most 3 groups' rows at once (continuous batching) gives the answers and log-probs of
-    decoding every row at once."""
+    most 3 groups' rows at once, refilling finished rows' slots (rl.continuous_batching), gives
+    the answers and log-probs of decoding every row at once."""
     devices = jax.devices()[:1] if shape == (1, 1, 1) else None
     mesh = parallel.make_mesh(config.MeshConfig(*shape), devices)
     task = toy.ToyTask()
@@ -199,7 +237,7 @@ def test_rollout_with_fewer_slots_than_rows_samples_the_same_answers(shape, monk
     def run(max_rows):
         sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
                                          eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh,
-                                         max_rows=max_rows)
+                                         max_rows=max_rows, continuous=True)
         slots.clear()
         ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
                          scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
