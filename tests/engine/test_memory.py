@@ -274,7 +274,7 @@ def test_remat_shrinks_the_compiled_train_step_on_cpu():
     recomputation back into the forward pass.)"""
     deep = dataclasses.replace(MODEL, num_layers=6)
     mesh = make_mesh((1, 1, 1))
-    batch = parallel.shard_batch(make_batch(), mesh)
+    batch = parallel.shard_batch(packing.as_packed(make_batch()), mesh)
     temp = {}
     for remat in (False, True):
         cfg = make_cfg(remat=remat)
