@@ -24,8 +24,9 @@ settings_of = update.UpdateSettings.of  # the update's settings of a run's Confi
 def packed_step(graphdef, settings, mesh, **kw):
     """`update.TrainStep` fed this file's padded batches packed one row per sequence
     (`packing.as_packed`, no packing: the form the trainer gives it with rl.padding_free=false)."""
-    step = packed_step(graphdef, settings, mesh, **kw)
+    step = update.TrainStep(graphdef, settings, mesh, **kw)
     return lambda state, batch: step(state, packing.as_packed(jax.device_get(batch)))
+
 
 MODEL = models.DecoderConfig(family="qwen2", vocab_size=48, hidden_size=32, intermediate_size=64,
                            num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
