@@ -30,7 +30,10 @@ CFG = config.Config(
     model=config.ModelConfig(dtype="float32", compute_dtype="float32", remat=False),
     rl=config.RLConfig(method="sage", prompts_per_step=PROMPTS, group_size=GROUP,
                        max_new_tokens=NEW, minibatches=2, temperature=1.0),
-    data=config.DataConfig(hint_key="hint"), hint=config.HintConfig(source="column"),
+    # Toy prompts and hints are short: rows of 288 columns (`update.row_len`), not the
+    # defaults' 2,816 (the packed batch is N sequences of that width).
+    data=config.DataConfig(hint_key="hint", max_prompt_tokens=128),
+    hint=config.HintConfig(source="column", max_new_tokens=128),
     # lr 1e-4: AdamW's first steps, g / (|g| + eps), amplify the float noise of gradients near
     # zero (the gradients themselves agree to ~5e-7 of each leaf's scale), so the parameters'
     # differences scale with lr; at 1e-3 they reach ~2.5e-5.
