@@ -138,7 +138,7 @@ def test_hard_split_job_writes_one_level_per_request_and_reports_the_split(tmp_p
     written by the policy during RL, and the summary's hard-split table."""
     tail = ["task.toy.rare_operands=[7]", "task.toy.rare_share=0.5", "task.toy.hint_format=level",
             "task.toy.sft_write_share=0.3", "hint.source=online", "task.toy.eval_per_length=4"]
-    cfg = registry.load_config(config.DEFAULT_CONFIG,
+    cfg = registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml",
                              SHRUNK + tail + [f"task.toy.cache_dir={tmp_path / 'cache'}"])
     run = tmp_path / "run"
     train.run(cfg, run)
