@@ -180,6 +180,18 @@ def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
         batching.train_batch(ro, loss_context="plain", sampler_logprobs=True)
 
 
+def policy_rollout(graphdef, state, mesh, idx, max_rows, continuous=False):
+    """The toy rollout of EXAMPLES[idx] on the policy, `max_rows` rows decoding at once."""
+    task = toy.ToyTask()
+    sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
+                                     eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh,
+                                     max_rows=max_rows, continuous=continuous)
+    return rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
+                       scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
+                       tables=rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes),
+                       step=0)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
 def test_rollout_in_chunks_samples_the_same_answers(shape, monkeypatch):
     """rl.rollout_micro_batch_size: a rollout (hinted re-samples included) sampled a few whole
@@ -199,15 +211,8 @@ def test_rollout_in_chunks_samples_the_same_answers(shape, monkeypatch):
     monkeypatch.setattr(sampling, "sample", counted)
 
     def run(max_rows):
-        sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
-                                         eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh,
-                                         max_rows=max_rows)
         sizes.clear()
-        ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
-                         scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
-                         tables=rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes),
-                         step=0)
-        return ro, list(sizes)
+        return policy_rollout(graphdef, state, mesh, idx, max_rows), list(sizes)
 
     (whole, whole_sizes), (chunked, chunk_sizes) = run(None), run(3 * GROUP)
     assert whole.level.max() > 0  # some groups were re-sampled with a hint
@@ -238,15 +243,8 @@ def test_rollout_with_fewer_slots_than_rows_samples_the_same_answers(shape, monk
     monkeypatch.setattr(sampling, "_continuous", counted)
 
     def run(max_rows):
-        sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
-                                         eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh,
-                                         max_rows=max_rows, continuous=True)
         slots.clear()
-        ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
-                         scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
-                         tables=rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes),
-                         step=0)
-        return ro, list(slots)
+        return policy_rollout(graphdef, state, mesh, idx, max_rows, continuous=True), list(slots)
 
     (whole, whole_slots), (chunked, chunk_slots) = run(None), run(3 * GROUP)
     assert whole.level.max() > 0  # some groups were re-sampled with a hint
