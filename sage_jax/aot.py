@@ -7,7 +7,7 @@ rollout's prefill, decode segments and regrouping, the hint-writing programs) fo
 `8xa100-80gb`), at the shapes the run will use, and prints per program the compile time and
 per-device GiB (arguments, outputs, temporaries, peak, what stays resident beside it), the
 matmul FLOPs and a roofline time, then the step's FLOPs, roofline time and MFU bound
-(`sage_jax.engine.compile_check`). No weights or data are read: the model's dimensions come from
+(`sage_jax.analysis.compile_check`). No weights or data are read: the model's dimensions come from
 `--hf-config`, `--preset`, or model.path's config.json. Exits with status 2 and one line naming
 the program, its GiB, the HBM and the knob to turn when a program does not fit with
 `--headroom` (default 10%) of HBM free.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from sage_jax.infra import cli
 from sage_jax import config as config_lib, models
-from sage_jax.engine import compile_check
+from sage_jax.analysis import compile_check
 from sage_jax.models.presets import PRESETS
 from sage_jax.run import build
 from sage_jax.tasks import registry

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Per-device memory of a training run, before renting the machines (`sage_jax.engine.memory`).
+"""Per-device memory of a training run, before renting the machines (`sage_jax.analysis.memory`).
 
     python scripts/estimate_memory.py --config paper_qwen2.5-7b \
         --preset qwen2.5-7b --mesh 1,64,1 --hbm-gib 16 [--micro-batch 64] [--json]
@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sage_jax import models  # noqa: E402
 from sage_jax.models.presets import PRESETS  # noqa: E402
-from sage_jax.engine import compile_check as aot, memory, sampling  # noqa: E402
+from sage_jax.engine import sampling_plan  # noqa: E402
+from sage_jax.analysis import compile_check as aot, memory  # noqa: E402
 from sage_jax.tasks import registry  # noqa: E402
 
 
@@ -126,12 +127,12 @@ def table(est, s, hbm_gib=None) -> str:
     gib = lambda b: f"{b / memory.GIB:10.2f}"  # noqa: E731
     mesh = s["mesh"]
     shards = mesh["data"] * mesh["fsdp"]
-    length = sampling.prompt_bucket(s["prompt_len"]) + s["max_new_tokens"]
+    length = sampling_plan.prompt_bucket(s["prompt_len"]) + s["max_new_tokens"]
     lines = [
         f"model: {s['model']} ({_count(s['num_params'])} params); mesh data={mesh['data']} "
         f"fsdp={mesh['fsdp']} tensor={mesh['tensor']} ({math.prod(mesh.values())} devices)",
         f"step: {s['prompts']} prompts x {s['group_size']} answers, rows of "
-        f"{sampling.prompt_bucket(s['prompt_len'])}+{s['max_new_tokens']} = {length} tokens; "
+        f"{sampling_plan.prompt_bucket(s['prompt_len'])}+{s['max_new_tokens']} = {length} tokens; "
         f"micro-batch {s['micro_batch_rows']} rows ({s['micro_batch_rows'] // shards} per "
         f"device); {s['param_dtype']} params, {s['compute_dtype']} compute, master_fp32="
         f"{s['master_fp32']}, remat={s['remat']}, log-prob chunk {s['logprob_chunk']}; "
@@ -158,7 +159,7 @@ def table(est, s, hbm_gib=None) -> str:
 
 
 def compiled_peaks(args, settings) -> dict:
-    """XLA's per-device peaks of the same run compiled for `args.xla` (`sage_jax.engine.compile_check`):
+    """XLA's per-device peaks of the same run compiled for `args.xla` (`sage_jax.analysis.compile_check`):
     the train step's, and the largest rollout program's with the optimiser state resident."""
     mesh = settings["mesh"]
     cfg = registry.load_config(args.config, [*args.overrides, *(

@@ -25,7 +25,7 @@ import numpy as np
 
 from sage_jax import models
 from sage_jax.bench import protocol, random_model, real, update_bench, workloads
-from sage_jax.engine import sampling
+from sage_jax.engine import sampling, sampling_plan
 
 
 def _synthetic(w, seed):
@@ -99,8 +99,8 @@ def run(args):
         "sage_jax", args.workload, w, timing, tokens_per_call=extra.get("useful_tokens"),
         extra={"build_s": round(build_s, 3), "compile_s": round(compile_s, 3),
                "versions": {"jax": jax.__version__}, "backend": jax.default_backend(),
-               "prompt_bucket": sampling.prompt_bucket(prompts.shape[1]),
-               "batch_bucket": sampling.batch_bucket(prompts.shape[0]), **extra})
+               "prompt_bucket": sampling_plan.prompt_bucket(prompts.shape[1]),
+               "batch_bucket": sampling_plan.batch_bucket(prompts.shape[0]), **extra})
     if not args.json:
         protocol.log(f"sage_jax sampler on {args.workload!r}: {rec['tokens_per_s']:,.0f} "
                      f"tokens/s (median of {len(timing.times_s)}), peak RSS {rec['peak_rss_mb']:.0f} MB")

@@ -12,24 +12,22 @@ Two entry points:
   token-id lists of varying lengths; returns numpy arrays with one row per sample, [N*G, T],
   prompt-major (row n*G + g is sample g of prompt n).
 
-How a call runs (the device programs are in `decode`):
+How a call runs (its sizes are a `sampling_plan.SamplingPlan`; the device programs are in
+`decode`, jitted once by `programs`):
 
-1. Bucketing. Prompts are left-padded (mask True on the valid suffix). The prompt length is
-   rounded up to a power of two or 1.5 times one (at least 16) and the number of prompts to a
-   power of two >= 8; padding rows are marked finished from the start and dropped from the
-   output.
+1. Bucketing. Prompts are left-padded (mask True on the valid suffix). The prompt length and the
+   number of prompts are rounded up to the plan's buckets; padding rows are marked finished
+   from the start and dropped from the output.
 2. Prefill: the B prompts run once through the model (a prompt is never prefilled G times); only
    the last position's logits are computed, and the prompts' keys/values come out in the
    layout decode reads. Every row draws its first token.
 3. Decode in segments, each a jitted `lax.while_loop` (no host synchronisation inside; the
    state is donated and updated in place). A row attends to its prompt's keys/values, read
    once for the G rows that share them, and to its own generated ones. A segment runs until
-   the generated-token cache is full or the running rows fit a smaller row bucket (32, 64, ...;
-   for models of 20M parameters and more, `fine_buckets`, 8, 12, 16, 24, 32, 48, ..., and the
-   1.5x prompt buckets too); the host then gathers the running rows into that bucket (one row
-   per group from then on, the prompt's keys/values copied) or doubles the cache, which starts
-   at `SLOT_BUCKET_MIN` slots (all T without EOS ids), so attention reads only the slots in
-   use. A call therefore synchronises with the host once per cache size and row bucket it
+   the generated-token cache is full or the running rows fit a smaller row bucket; the host
+   then gathers the running rows into that bucket (one row per group from then on, the
+   prompt's keys/values copied) or doubles the cache, which starts small (all T without EOS
+   ids), so attention reads only the slots in use. A call therefore synchronises with the host once per cache size and row bucket it
    passes through (`SampleOutput.host_syncs`: about log2(T / 32) + the row buckets, not one per
    fixed number of tokens). Regrouping and growing go layer by layer, each old layer freed once
    read: the old and the new cache never both live whole. Decoding ends when every row has
@@ -70,7 +68,6 @@ placed or constrained. With several processes every process gets the whole outpu
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import flax.struct
@@ -82,18 +79,8 @@ from jax.sharding import Mesh
 
 from sage_jax.config import check_sampling
 from sage_jax.infra import distributed, parallel
-from sage_jax.engine import decode, placement
-
-PROMPT_BUCKET_MIN = 16  # prompt lengths are rounded up to 16, 24, 32, 48, 64, 96, 128, ...
-BATCH_BUCKET_MIN = 8  # numbers of prompts are rounded up to 8, 16, 32, 64, ...
-DECODE_SEGMENT = 16  # the cache grows (doubles) when fewer than this many more steps fit
-SLOT_BUCKET_MIN = 32  # the generated-token cache holds 32, 64, 128, ... slots (as it fills)
-ROW_BUCKET_MIN = 8  # rows are regrouped into 8, (12,) 16, (24,) 32, ... (split over row shards)
-# Models under FINE_BUCKETS_MIN_PARAMS regroup into 32, 64, ... rows only: below 32 rows their
-# decode step costs about the same, so a smaller bucket would mostly add programs to compile.
-COARSE_ROW_BUCKET_MIN = 32
-FINE_BUCKETS_MIN_PARAMS = 20_000_000  # the 1.5x row and prompt buckets from this model size up
-
+from sage_jax.engine import decode, placement, programs
+from sage_jax.engine.sampling_plan import Knobs, SamplingPlan, admit_bucket
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
     """(tokens_BxP int32, mask_BxP bool) with each prompt right-aligned in `length` columns (the
@@ -106,95 +93,6 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
         tok[i, length - len(p):] = p
         mask[i, length - len(p):] = True
     return tok, mask
-
-
-def length_bucket(n: int) -> int:
-    """Padded length of a prompt or a training row of n tokens: the next multiple of 1/8 of n's
-    power of two (at least 16): eight sizes per octave, so padding is under 1/8 and recompiles
-    are few."""
-    n = max(int(n), 1)
-    step = max(PROMPT_BUCKET_MIN, 1 << max((n - 1).bit_length() - 4, 0))
-    return -(-n // step) * step
-
-
-def prompt_bucket(n: int, *, fine: bool = True) -> int:
-    """Padded prompt length for prompts of at most n tokens: a power of two or (when `fine`)
-    1.5 times one, at least 16 (the prefill and every decode step's attention cost follow it;
-    each size is a set of programs to compile)."""
-    n = max(int(n), 1)
-    c = 1 << max(n - 1, 0).bit_length()  # the power of two >= n
-    return max(PROMPT_BUCKET_MIN, c * 3 // 4 if fine and c * 3 // 4 >= n else c)
-
-
-def batch_bucket(n: int) -> int:
-    """Padded number of prompts for n prompts: the next power of two, at least 8."""
-    return max(BATCH_BUCKET_MIN, 1 << max(n - 1, 0).bit_length())
-
-
-def row_bucket(n: int, shards: int = 1, *, fine: bool = True) -> int:
-    """Rows a decode segment runs for n live rows: the smallest of m, 1.5m, 2m, 3m, 4m, ...
-    (the 1.5x sizes only when `fine` and when they split over the row shards) that holds them,
-    m = the least multiple of `shards` >= `ROW_BUCKET_MIN` (`COARSE_ROW_BUCKET_MIN` when not
-    `fine`)."""
-    least = ROW_BUCKET_MIN if fine else COARSE_ROW_BUCKET_MIN
-    c = -(-least // shards) * shards
-    while c < n:
-        if fine and c * 3 // 2 >= n and (c * 3 // 2) % shards == 0 and c % 2 == 0:
-            return c * 3 // 2
-        c *= 2
-    return c
-
-
-def fine_buckets(num_params: int) -> bool:
-    """Whether sampling uses the 1.5x row and prompt buckets too: for models of at least
-    `FINE_BUCKETS_MIN_PARAMS` parameters, whose decode steps cost enough that the extra programs
-    pay for their compiles (a toy model's steps do not: it would mostly compile)."""
-    return num_params >= FINE_BUCKETS_MIN_PARAMS
-
-
-def gen_slots(max_new_tokens: int) -> int:
-    """Generated-token cache slots at most: T - 1 (the last token is never fed), rounded up
-    to 8."""
-    return max(8, -(-(max_new_tokens - 1) // 8) * 8)
-
-
-def slot_bucket(need: int, max_new_tokens: int) -> int:
-    """Generated-token cache slots for `need` slots: a power of two >= `SLOT_BUCKET_MIN`, at
-    most `gen_slots(max_new_tokens)`."""
-    return min(gen_slots(max_new_tokens), max(SLOT_BUCKET_MIN, 1 << max(need - 1, 0).bit_length()))
-
-
-def first_slots(max_new_tokens: int, eos: bool) -> int:
-    """The generated-token cache a call starts with: room for `DECODE_SEGMENT` steps, or all T
-    without EOS ids (no row ends early, so one segment decodes everything)."""
-    return slot_bucket(DECODE_SEGMENT if eos else max_new_tokens, max_new_tokens)
-
-
-def slots_for(t: int, slots: int, max_new_tokens: int) -> int:
-    """The cache a segment starting at step t runs with: `slots` while it holds at least
-    `DECODE_SEGMENT` more steps (or the rest), else the next bucket that does."""
-    if slots >= min(t + DECODE_SEGMENT - 1, max_new_tokens - 1):
-        return slots
-    return slot_bucket(t + DECODE_SEGMENT - 1, max_new_tokens)
-
-
-def slot_schedule(max_new_tokens: int, eos: bool) -> dict[int, int]:
-    """{cache slots: decode steps run with it} when no row ends early (steps 1 .. T-1)."""
-    out, t, s = {}, 1, first_slots(max_new_tokens, eos)
-    while t < max_new_tokens:
-        s = slots_for(t, s, max_new_tokens)
-        n = min(s + 1, max_new_tokens) - t
-        out[s], t = out.get(s, 0) + n, t + n
-    return out
-
-
-def stop_live(rows: int, shards: int = 1, *, fine: bool = True) -> int:
-    """Running rows at which a segment of `rows` rows stops so that the host can move them into
-    a smaller row bucket: the most that fit one (-1: no smaller bucket)."""
-    n = rows - 1
-    while n > 0 and row_bucket(n, shards, fine=fine) >= rows:
-        n -= 1
-    return n if n > 0 else -1
 
 
 @flax.struct.dataclass
@@ -216,86 +114,6 @@ class SampleOutput:
     logprobs: np.ndarray
     decode_row_steps: int = flax.struct.field(pytree_node=False, default=0)
     host_syncs: int = flax.struct.field(pytree_node=False, default=0)
-
-
-@flax.struct.dataclass
-class _Static:
-    """The compile-time configuration of one sampling program (hashable)."""
-
-    num_samples: int = flax.struct.field(pytree_node=False)
-    max_new_tokens: int = flax.struct.field(pytree_node=False)
-    temperature: float = flax.struct.field(pytree_node=False)
-    top_p: float = flax.struct.field(pytree_node=False)
-    top_k: int = flax.struct.field(pytree_node=False)
-    eos_ids: tuple = flax.struct.field(pytree_node=False)
-    pad_id: int = flax.struct.field(pytree_node=False)
-
-
-MAX_PROGRAMS = 48  # compiled sampler programs the trainer keeps between steps (drop_programs)
-_JITTED: dict = {}  # (kind, graphdef, static config, layout, extra) -> jitted function
-_JITTED_UNHASHABLE: list = []  # [(key, jitted)] for graphdefs that cannot be hashed
-
-
-def _jitted(kind: str, graphdef, st: _Static | None, lay: placement.Layout | None,
-            extra=None):
-    """A jitted program of `decode`, built once per (kind, model definition, static config,
-    mesh layout, extra static argument) and cached; jit then keeps one executable per shape. A
-    graphdef whose config holds a dict (e.g. llama3 `rope_scaling`) is unhashable: found by
-    equality."""
-    key = (kind, graphdef, st, lay, extra)
-    try:
-        return _JITTED[key]
-    except TypeError:
-        for k, fn in _JITTED_UNHASHABLE:
-            if (k[0] == kind and k[2:] == key[2:]
-                    and (k[1] is graphdef or k[1] == graphdef)):
-                return fn
-    except KeyError:
-        pass
-    if kind == "prefill":
-        fn = jax.jit(functools.partial(decode.prefill, graphdef, lay))
-    elif kind == "start":  # the prompt keys/values pass through into the state, not copied
-        assert extra is not None, "start takes the first cache size"
-        fn = jax.jit(functools.partial(decode.start, st, lay, extra), donate_argnums=(0, 1))
-    elif kind == "segment":
-        fn = jax.jit(functools.partial(decode.segment, graphdef, st, lay), donate_argnums=(1,))
-    elif kind == "empty":
-        assert extra is not None, "empty takes (cache size, rows)"
-        fn = jax.jit(functools.partial(decode.empty, lay, *extra))
-    elif kind == "admit":
-        assert extra is not None, "admit takes the rows per prompt"
-        fn = jax.jit(functools.partial(decode.admit, st, lay, extra), donate_argnums=(0,))
-    elif kind == "regroup":
-        assert extra is not None, "regroup takes the new cache size"
-        fn = jax.jit(functools.partial(decode.regroup_layer, lay, extra))
-    else:
-        fn = jax.jit(functools.partial(decode.regroup_rows, lay))
-    try:
-        _JITTED[key] = fn
-    except TypeError:
-        _JITTED_UNHASHABLE.append((key, fn))
-    return fn
-
-
-def _jitted_fns() -> list:
-    return list(_JITTED.values()) + [fn for _, fn in _JITTED_UNHASHABLE]
-
-
-def compiled_programs() -> int:
-    """Compiled sampler programs this process holds (every cached decode function's)."""
-    return sum(fn._cache_size() for fn in _jitted_fns())
-
-
-def drop_programs(limit: int = MAX_PROGRAMS) -> bool:
-    """Drops every compiled sampler program once more than `limit` are held, and returns
-    whether it did. Each prompt length bucket compiles its own (about 22 MB of host memory
-    each for SmolLM2-135M, 6 per bucket); the persistent compilation cache, when on, reloads
-    the ones needed next instead of compiling them."""
-    if compiled_programs() <= limit:
-        return False
-    for fn in _jitted_fns():
-        fn.clear_cache()
-    return True
 
 
 def _put(x, lay, rows: bool = False):
@@ -373,11 +191,13 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     b, p = prompt_BxP.shape
     if b == 0 or p == 0:
         raise ValueError(f"sample() needs at least one prompt token, got prompts of shape {(b, p)}")
-    fine = fine_buckets(sum(x.size for x in jax.tree.leaves(params)))
-    bb, pb = batch_bucket(b), prompt_bucket(p, fine=fine)
-    st = _Static(num_samples=int(num_samples), max_new_tokens=int(max_new_tokens),
-                 temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                 eos_ids=_eos_tuple(eos_ids), pad_id=int(pad_id))
+    st = Knobs(num_samples=int(num_samples), max_new_tokens=int(max_new_tokens),
+               temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+               eos_ids=_eos_tuple(eos_ids), pad_id=int(pad_id))
+    plan = SamplingPlan.of(st, b, p, num_params=sum(x.size for x in jax.tree.leaves(params)),
+                           shards=1 if mesh is None else parallel.row_shards(mesh),
+                           max_rows=max_rows)
+    bb, pb = plan.batch, plan.prompt_cols
     if prompt_ids_B is None:
         prompt_ids_B = np.arange(b, dtype=np.int32)
     if tuple(np.shape(prompt_ids_B)) != (b,):
@@ -396,21 +216,19 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     valid = np.arange(bb) < b
 
     model = nnx.merge(graphdef, params)  # cheap: only to read the config
-    shards = 1 if mesh is None else parallel.row_shards(mesh)
-    slots = None if max_rows is None else -(-int(max_rows) // shards) * shards
-    if slots is not None and b * st.num_samples > slots:
-        return _continuous(graphdef, params, st, mesh, slots, tokens[:b], mask[:b], ids[:b], key,
-                           model.cfg.num_kv_heads, fine)
+    if plan.continuous:
+        return _continuous(graphdef, params, plan, mesh, tokens[:b], mask[:b], ids[:b], key,
+                           model.cfg.num_kv_heads)
     lay = placement.layout(mesh, model.cfg.num_kv_heads, bb)
     if lay is not None:  # every input placed where the programs keep it (no later reshard)
         tokens, mask, ids, valid = (_put(x, lay, rows=True) for x in (tokens, mask, ids, valid))
         key = _put(key, lay)
-    logits, prompt_k, prompt_v = _jitted("prefill", graphdef, None, lay)(params, tokens, mask)
-    cap = first_slots(st.max_new_tokens, bool(st.eos_ids))
-    state, tok0, logp0 = _jitted("start", None, st, lay, cap)(prompt_k, prompt_v, mask, logits,
-                                                               key, ids, valid)
+    logits, prompt_k, prompt_v = programs.get("prefill", graphdef, None, lay)(params, tokens,
+                                                                               mask)
+    state, tok0, logp0 = programs.get("start", None, st, lay, plan.first_cache)(
+        prompt_k, prompt_v, mask, logits, key, ids, valid)
     del prompt_k, prompt_v
-    run = _Decoding(st, mesh, fine, state.rows)
+    run = _Decoding(plan, st, mesh, state.rows)
     run.first(np.arange(state.rows), *distributed.fetch(
         (tok0, logp0, state.lengths_R, state.done_R)))
     out = run.finish(run.decode(graphdef, params, lay, state))
@@ -419,25 +237,18 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     return out
 
 
-ADMIT_SHARE = 4  # continuous batching admits prompts once a quarter of the slots are free
-
-
-def admit_bucket(n: int) -> int:
-    """Prompts a continuous-batching prefill runs for n admitted prompts: a power of two."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _continuous(graphdef, params, st: _Static, mesh, slots: int, tokens_BxP, mask_BxP, ids_B,
-                key, num_kv_heads: int, fine: bool) -> SampleOutput:
-    """`sample` for more rows than `slots` (continuous batching): the decode state holds
-    `slots` rows; whenever a quarter of them (or all the prompts still pending) are free, the
+def _continuous(graphdef, params, plan: SamplingPlan, mesh, tokens_BxP, mask_BxP, ids_B, key,
+                num_kv_heads: int) -> SampleOutput:
+    """`sample` for more rows than `plan.slots` (continuous batching): the decode state holds
+    that many rows; whenever a quarter of them (or all the prompts still pending) are free, the
     next prompts are prefilled and their G rows take the free slots, while the other rows go
     on decoding. Once no prompt is pending, rows regroup into smaller buckets as in the
     lockstep path. Tokens equal the lockstep path's: each row draws from its own key and step."""
+    st, slots = plan.knobs, plan.first_rows
     b, g = tokens_BxP.shape[0], st.num_samples
     lay = placement.layout(mesh, num_kv_heads, slots)
     st1 = dataclasses.replace(st, num_samples=1)  # the decode state holds one row per group
-    run = _Decoding(st1, mesh, fine, b * g)
+    run = _Decoding(plan, st1, mesh, b * g)
     tokens_BxP, mask_BxP, ids_B = (np.asarray(jax.device_get(x)) for x in (tokens_BxP, mask_BxP,
                                                                           ids_B))
     pending, state = list(range(b)), None
@@ -453,11 +264,10 @@ def _continuous(graphdef, params, st: _Static, mesh, slots: int, tokens_BxP, mas
         play = placement.layout(mesh, num_kv_heads, nb)
         tok, msk, pid, ok = (_put(x, play, rows=True) for x in (tokens_BxP[sel], mask_BxP[sel],
                                                                 ids_B[sel], valid))
-        logits, pk, pv = _jitted("prefill", graphdef, None, play)(params, tok, msk)
+        logits, pk, pv = programs.get("prefill", graphdef, None, play)(params, tok, msk)
         if state is None:
-            cap = first_slots(st.max_new_tokens, bool(st.eos_ids))
-            state = _jitted("empty", None, None, lay, (cap, slots))(pk, pv)
-        state, tok0, logp0 = _jitted("admit", None, st, lay, g)(
+            state = programs.get("empty", None, None, lay, (plan.first_cache, slots))(pk, pv)
+        state, tok0, logp0 = programs.get("admit", None, st, lay, g)(
             state, pk, pv, msk, logits, _put(key, play), pid, ok, _put(at, lay))
         rows = np.flatnonzero(np.repeat(valid, g))
         out_rows = (np.repeat(np.array(take), g) * g + np.tile(np.arange(g), n))
@@ -475,7 +285,7 @@ def _continuous(graphdef, params, st: _Static, mesh, slots: int, tokens_BxP, mas
     state = admit(None, np.arange(slots))
     while pending:
         free = np.flatnonzero(run.done)
-        need = min(max(g, slots // ADMIT_SHARE), len(pending) * g)
+        need = min(plan.admit_at, len(pending) * g)
         if free.size >= need:
             state = admit(state, free)
             continue
@@ -487,10 +297,9 @@ class _Decoding:
     """The host side of one sampling call: the output arrays, which output row each state row
     is (-1: none), and the decode segments that fill them."""
 
-    def __init__(self, st: _Static, mesh, fine: bool, out_rows: int):
+    def __init__(self, plan: SamplingPlan, st: Knobs, mesh, out_rows: int):
         t_max = st.max_new_tokens
-        self.st, self.mesh, self.fine = st, mesh, fine
-        self.shards = 1 if mesh is None else parallel.row_shards(mesh)
+        self.plan, self.st, self.mesh = plan, st, mesh
         self.tokens = np.full((out_rows, t_max), st.pad_id, np.int32)
         self.logps = np.zeros((out_rows, t_max), np.float32)
         self.lengths = np.zeros(out_rows, np.int32)
@@ -512,13 +321,13 @@ class _Decoding:
         """Runs decode segments (each stopping once at most `stop` rows run, or a row's cache
         is full: then the cache grows) until every row has finished, or after one segment with
         `once`; records their tokens. Returns the state."""
-        st, t_max = self.st, self.st.max_new_tokens
+        st = self.st
         while not self.done.all():
             longest = int(self.len_R[~self.done].max())
-            cap = slots_for(longest, state.slots, t_max)
+            cap = self.plan.cache_for(longest, state.slots)
             if cap > state.slots:  # the cache is full: grow it
                 state = _regroup(state, lay, cap)
-            state, seg_tok, seg_logp, n = _jitted("segment", graphdef, st, lay)(
+            state, seg_tok, seg_logp, n = programs.get("segment", graphdef, st, lay)(
                 params, state, _put(np.int32(stop), lay))
             seg_tok, seg_logp, len_R, done, n = distributed.fetch(
                 (seg_tok, seg_logp, state.lengths_R, state.done_R, n))
@@ -533,18 +342,18 @@ class _Decoding:
         they finish. Returns the state."""
         while not self.done.all():
             live = np.flatnonzero(~self.done)
-            rows = row_bucket(live.size, self.shards, fine=self.fine)
+            rows = self.plan.rows_for(live.size)
             if rows < state.rows:  # the running rows fit a smaller bucket: gather them
                 index = np.concatenate([live, np.full(rows - live.size, live[0])]).astype(np.int32)
                 keep = np.arange(rows) < live.size
                 longest = int(self.len_R[live].max())
-                cap = slots_for(longest, state.slots, self.st.max_new_tokens)
+                cap = self.plan.cache_for(longest, state.slots)
                 lay = placement.layout(self.mesh, state.prompt_k[0].shape[1], rows)
                 state = _regroup(state, lay, cap, _put(index, lay), _put(keep, lay, rows=True))
                 self.row_ids = np.where(keep, self.row_ids[index], -1)
                 self.len_R, self.done = self.len_R[index], self.done[index] | ~keep
             state = self.segments(graphdef, params, lay, state, once=True,
-                                  stop=stop_live(state.rows, self.shards, fine=self.fine))
+                                  stop=self.plan.stop_at(state.rows))
         return state
 
     def _record(self, seg_tok, seg_logp, len_R, done):
@@ -575,7 +384,7 @@ def _regroup(state, lay, cap: int, index_R=None, keep_R=None):
     group; `keep_R` False: padding). Layer by layer: each old layer is deleted as soon as its
     program is queued (the runtime frees it once read), so the old and the new cache never
     both live whole. `state`'s caches are gone afterwards."""
-    fn = _jitted("regroup", None, None, lay, cap)
+    fn = programs.get("regroup", None, None, lay, cap)
     layers = []
     for i in range(len(state.gen_k)):
         old = (state.gen_k[i], state.gen_v[i])
@@ -588,7 +397,7 @@ def _regroup(state, lay, cap: int, index_R=None, keep_R=None):
         return state.replace(gen_k=tuple(k for k, _ in layers), gen_v=tuple(v for _, v in layers))
     pk, pv, gk, gv = (tuple(x) for x in zip(*layers))
     fields = {k: getattr(state, k) for k in decode.ROW_FIELDS}
-    fields = _jitted("rows", None, None, lay)(fields, index_R, keep_R)
+    fields = programs.get("rows", None, None, lay)(fields, index_R, keep_R)
     return state.replace(prompt_k=pk, prompt_v=pv, gen_k=gk, gen_v=gv, **fields)
 
 

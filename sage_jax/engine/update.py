@@ -48,7 +48,7 @@ from sage_jax.config import Config, OptimConfig, RLConfig
 from sage_jax.core import grpo, sage
 from sage_jax import models
 from sage_jax.infra import parallel
-from sage_jax.engine import packing, sampling
+from sage_jax.engine import packing, sampling_plan
 from sage_jax.engine.state import TrainState, master_params
 
 PACKED_REQUIRED = ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL", "advantages_ZxL",
@@ -95,8 +95,8 @@ def total_updates(cfg: Config) -> int:
 
 def row_len(cfg: Config) -> int:
     """Columns of the run's longest training row (`Config.sample_prompt_len` and the longest
-    answer), as `sampling.length_bucket` pads it: the width of every packed batch."""
-    return sampling.length_bucket(cfg.sample_prompt_len() + cfg.rl.max_new_tokens)
+    answer), as `sampling_plan.length_bucket` pads it: the width of every packed batch."""
+    return sampling_plan.length_bucket(cfg.sample_prompt_len() + cfg.rl.max_new_tokens)
 
 
 def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:

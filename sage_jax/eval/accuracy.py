@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from sage_jax.engine import sampling
+from sage_jax.engine import sampling, sampling_plan
 from sage_jax.infra.rewards import Scorer
 from sage_jax.tasks.benchmarks import ALL_BENCHMARKS, BENCHMARKS, Problem, load_benchmark
 from sage_jax.tasks.hub_benchmarks import load_hub_benchmark
@@ -132,7 +132,7 @@ def evaluate_problems(graphdef, params, task,
                dynamic_ncols=True) if progress else None
 
     def launch(chunk):
-        width = sampling.prompt_bucket(max(len(prompts[i]) for i in chunk))
+        width = sampling_plan.prompt_bucket(max(len(prompts[i]) for i in chunk))
         tok, mask = sampling.left_pad([prompts[i] for i in chunk], width, pad_id)
         ids = np.asarray([problem_id(items[i][0], items[i][1].index) for i in chunk], np.int32)
         return sampling.sample(graphdef, params, tok, mask, key=key, num_samples=k,

@@ -100,19 +100,21 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def _abstract_model(cfg: DecoderConfig, dtype, compute_dtype):
+def _abstract_model(cfg: DecoderConfig, dtype, compute_dtype, remat: bool = False):
     return nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, compute_dtype=compute_dtype,
-                                          rngs=nnx.Rngs(0)))
+                                          rngs=nnx.Rngs(0), remat=remat))
 
 
-def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None) -> Decoder:
+def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None,
+            remat: bool = False) -> Decoder:
     """Loads a Llama-3.x / Qwen2 / Qwen2.5 / Qwen3 checkpoint directory into a Decoder.
 
-    `dtype` is the parameter dtype; `compute_dtype` defaults to it.
+    `dtype` is the parameter dtype; `compute_dtype` defaults to it; `remat`: recompute each
+    layer in the backward pass (`Decoder`'s flag).
     """
     path = check_model_dir(path)
     cfg = DecoderConfig.from_hf_dir(path)
-    graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, compute_dtype))
+    graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, compute_dtype, remat))
     expected = hf_names(cfg)
     files = _tensor_files(path)
     unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)

@@ -2,8 +2,8 @@
 batch (packed, or padded where a caller needs it).
 
 Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), P prompt columns
-(a `sampling.prompt_bucket` size), T answer columns (rl.max_new_tokens), L train-row columns
-(a `sampling.length_bucket` of the longest prompt + answer: the same few sizes at every step,
+(a `sampling_plan.prompt_bucket` size), T answer columns (rl.max_new_tokens), L train-row columns
+(a `sampling_plan.length_bucket` of the longest prompt + answer: the same few sizes at every step,
 each one update program).
 """
 
@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from sage_jax.core import grpo
-from sage_jax.engine import packing, sampling, update
+from sage_jax.engine import packing, sampling, sampling_plan, update
 from sage_jax.rl.types import Rollout, Samples
 
 
@@ -50,7 +50,7 @@ class PolicySampler:
 
     def _sample(self, prompts, prompt_ids, *, salt, num_samples, max_new_tokens, temperature,
                 top_p, top_k) -> Samples:
-        length = sampling.prompt_bucket(max(len(p) for p in prompts))
+        length = sampling_plan.prompt_bucket(max(len(p) for p in prompts))
         tok, mask = sampling.left_pad(prompts, length, self.pad_id)
         out = sampling.sample(
             self.graphdef, self.params, tok, mask, key=jax.random.fold_in(self.key, salt),
@@ -71,7 +71,7 @@ def update_batch(ro: Rollout, settings: update.UpdateSettings, *, padding_free: 
     `train_batch`'s padded layout, L columns)."""
     rows = train_rows(ro, loss_context=loss_context, adv_scale=adv_scale,
                       sampler_logprobs=sampler_logprobs)
-    width = sampling.length_bucket(max(len(t) for t in rows["tokens"]))
+    width = sampling_plan.length_bucket(max(len(t) for t in rows["tokens"]))
     if not padding_free:
         return packing.as_packed(packing.pad_rows(rows, width, pad_id))
     m, u, r = update.layout(len(rows["tokens"]), settings)
@@ -85,7 +85,7 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
     right-padded to L (positions count valid tokens, so this equals a left-padded prompt)."""
     rows = train_rows(ro, loss_context=loss_context, adv_scale=adv_scale,
                       sampler_logprobs=sampler_logprobs)
-    width = sampling.length_bucket(max(len(t) for t in rows["tokens"]))
+    width = sampling_plan.length_bucket(max(len(t) for t in rows["tokens"]))
     return packing.pad_rows(rows, width, pad_id)
 
 

@@ -28,19 +28,23 @@ def load_task(cfg: Config, model_path: str | None = None) -> Task:
 
 def load_model(cfg: Config) -> models.Decoder:
     """The policy at its starting point: model.path (through the task's `start_from`, e.g. a
-    warm start, where it has one), else the task's built-in model; `model.remat` set on it."""
+    warm start, where it has one), else the task's built-in model; each built with
+    `model.remat` (the plug-ins read it from `cfg`)."""
     dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
     plugin = registry.plugin(cfg.task.name)
     if cfg.model.path and plugin.start_from is not None:
         model = plugin.start_from(cfg, dtype, cdtype)
     elif cfg.model.path:
-        model = models.from_hf(cfg.model.path, dtype=dtype, compute_dtype=cdtype)
+        model = models.from_hf(cfg.model.path, dtype=dtype, compute_dtype=cdtype,
+                               remat=cfg.model.remat)
     else:
         if plugin.make_model is None:
             raise config_lib.ConfigError(f"task.name={cfg.task.name} needs model.path (a "
                                          f"Hugging Face folder)", key="model.path")
         model = plugin.make_model(cfg, dtype, cdtype)
-    model.remat = cfg.model.remat  # recompute each layer in the backward pass (a static flag)
+    if model.remat != cfg.model.remat:
+        raise config_lib.ConfigError(f"task {cfg.task.name!r} built its model without "
+                                     f"model.remat={cfg.model.remat}", key="model.remat")
     return model
 
 

@@ -24,7 +24,8 @@ from sage_jax.infra import checkpoint, distributed, metrics as metrics_lib
 from sage_jax import config as config_lib
 from sage_jax.config import Config
 from sage_jax.infra import host_memory, parallel, provenance, rewards, wandb_log
-from sage_jax.engine import compile_check, sampling, update
+from sage_jax.engine import programs, update
+from sage_jax.analysis import compile_check
 from sage_jax.engine.state import TrainState
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.rl import batching, rollout
@@ -288,7 +289,7 @@ def _step(run: _Run, step: int) -> dict:
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
     with timer("host"):
-        sampling.drop_programs()  # prompt lengths not seen before compile more of them each step
+        programs.drop()  # prompt lengths not seen before compile more of them each step
         host_memory.trim()
         run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
         if run.engine is not None:  # (its weight sync counts as host work between phases)

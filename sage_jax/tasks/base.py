@@ -81,7 +81,8 @@ class TaskPlugin:
       answer system message where it has one (None: its default).
     model_config(cfg) -> DecoderConfig: the built-in model's architecture, used when model.path
       is empty (None: the task needs model.path).
-    make_model(cfg, dtype, compute_dtype) -> Decoder: the built-in model at its starting point.
+    make_model(cfg, dtype, compute_dtype) -> Decoder: the built-in model at its starting point,
+      built with `remat=cfg.model.remat` (as `start_from` too).
     examples(cfg) -> list[Example]: built-in training examples, used when data.train_files is
       empty (None: the task needs data files).
     eval_problems(cfg, limit) -> {benchmark: [Problem]}: built-in held-out problems, evaluated

@@ -7,7 +7,7 @@ from flax import nnx
 
 from sage_jax import models
 from sage_jax.config import MeshConfig
-from sage_jax.engine import decode, sampling
+from sage_jax.engine import decode, sampling, sampling_plan
 from sage_jax.infra import parallel
 
 
@@ -65,7 +65,7 @@ def test_continuous_batching_on_a_mesh_and_without_eos():
 def test_admission_buckets_and_a_bad_max_rows():
     """Admitted prompts are prefilled in power-of-two batches; max_rows below G is an error
     (raised before anything compiles)."""
-    assert [sampling.admit_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert [sampling_plan.admit_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     model = _tiny()
     with pytest.raises(ValueError, match="max_rows must be an integer >= num_samples"):
         sampling.generate(model, _prompts([3, 4]), max_rows=2, **KW)

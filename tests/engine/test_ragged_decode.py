@@ -15,7 +15,7 @@ from flax import nnx
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import MeshConfig
-from sage_jax.engine import sampling
+from sage_jax.engine import programs, sampling, sampling_plan
 from sage_jax.engine.select import select
 
 T = 150  # rows end at many different steps; the cache grows from 32 to 152 slots
@@ -25,7 +25,7 @@ T = 150  # rows end at many different steps; the cache grows from 32 to 152 slot
 def _small_row_buckets(monkeypatch):
     """Regroups down to 8 rows for these tiny models too (a tiny model's default buckets start
     at 32 rows, more than these batches hold), so the tests here see rows regrouped."""
-    monkeypatch.setattr(sampling, "COARSE_ROW_BUCKET_MIN", sampling.ROW_BUCKET_MIN)
+    monkeypatch.setattr(sampling_plan, "COARSE_ROW_BUCKET_MIN", sampling_plan.ROW_BUCKET_MIN)
 
 
 def _model(seed=0):
@@ -95,7 +95,7 @@ def _eos_for_mixed_ends(tokens):
 
 
 def _static(temperature, eos, g):
-    return sampling._Static(num_samples=g, max_new_tokens=T, temperature=temperature,
+    return sampling_plan.Knobs(num_samples=g, max_new_tokens=T, temperature=temperature,
                             top_p=1.0, top_k=0, eos_ids=eos, pad_id=0)
 
 
@@ -109,7 +109,7 @@ def case():
     ref, lengths = _naive(model, prompts, g=1, key=key, st=_static(0.0, eos, 1), eos=eos)
     # The case this file is about: one row runs to the cap, others stop in many segments.
     assert lengths[0] == T and (lengths < T).sum() >= 8, lengths
-    assert len(set((lengths - 1) // sampling.DECODE_SEGMENT)) >= 4, lengths
+    assert len(set((lengths - 1) // sampling_plan.DECODE_SEGMENT)) >= 4, lengths
     return model, prompts, key, eos, ref, lengths
 
 
@@ -127,7 +127,7 @@ def test_greedy_rows_that_end_at_different_steps_equal_the_naive_decoder(case):
     # The host waited once for the first tokens, then once per segment: a segment ends only
     # where the cache grows (32, 64, 128, 152 slots) or the running rows fit a smaller bucket
     # (16 rows -> 12 -> 8), not every DECODE_SEGMENT steps (which would be 10 segments here).
-    assert out.host_syncs <= 1 + len(sampling.slot_schedule(T, True)) + 2, out.host_syncs
+    assert out.host_syncs <= 1 + len(sampling_plan.slot_schedule(T, True)) + 2, out.host_syncs
 
 
 @pytest.mark.slow
@@ -168,7 +168,7 @@ def test_an_8_device_mesh_gives_the_same_rows(case):
     mesh = parallel.make_mesh(MeshConfig(2, 2, 2), jax.devices()[:8])
     graphdef, params = nnx.split(model)
     params = jax.device_put(params, parallel.tree_shardings(params, mesh))
-    tok, mask = sampling.left_pad(prompts, sampling.prompt_bucket(max(map(len, prompts))), 0)
+    tok, mask = sampling.left_pad(prompts, sampling_plan.prompt_bucket(max(map(len, prompts))), 0)
     out = sampling.sample(graphdef, params, tok, mask, key=key, num_samples=1,
                           max_new_tokens=T, temperature=0.0, eos_ids=eos, mesh=mesh)
     np.testing.assert_array_equal(out.lengths.reshape(-1), lengths)
@@ -182,12 +182,12 @@ def test_the_decode_loop_updates_its_cache_in_place(case):
     graphdef, params = nnx.split(model)
     st = _static(0.0, (1,), 2)
     tok, mask = sampling.left_pad(_prompts(8, seed=1), 32, 0)
-    logits, prompt_k, prompt_v = sampling._jitted("prefill", graphdef, None, None)(params, tok,
+    logits, prompt_k, prompt_v = programs.get("prefill", graphdef, None, None)(params, tok,
                                                                                  mask)
-    state, _, _ = sampling._jitted("start", None, st, None, 64)(
+    state, _, _ = programs.get("start", None, st, None, 64)(
         prompt_k, prompt_v, mask, logits, key=jax.random.PRNGKey(0), prompt_ids_B=jnp.arange(8),
         valid_B=jnp.ones(8, bool))
-    seg = sampling._jitted("segment", graphdef, st, None)
+    seg = programs.get("segment", graphdef, st, None)
     hlo = seg.lower(params, state, jnp.int32(-1)).compile().as_text()
     shape = "f32[{}]".format(",".join(map(str, state.gen_k[0].shape)))
     copies = [line.strip() for line in hlo.splitlines() if " copy(" in line and shape in line]
@@ -205,4 +205,4 @@ def test_a_long_call_waits_for_the_device_a_few_times_not_every_few_tokens():
     out = sampling.generate(model, _prompts(2), max_new_tokens=long, temperature=1.0,
                             eos_token_id=999, key=jax.random.PRNGKey(0))
     assert (out.lengths == long).all()
-    assert out.host_syncs == 1 + len(sampling.slot_schedule(long, True)) == 10
+    assert out.host_syncs == 1 + len(sampling_plan.slot_schedule(long, True)) == 10

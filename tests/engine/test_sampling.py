@@ -11,7 +11,7 @@ from hf_reference import TINY_CONFIGS, make_hf_model
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import MeshConfig
-from sage_jax.engine import decode, placement, sampling
+from sage_jax.engine import decode, placement, programs, sampling, sampling_plan
 
 
 def _tiny(vocab=97, seed=0, **kw):
@@ -127,8 +127,8 @@ def test_same_key_same_tokens_independent_of_batch_and_bucket():
     extra = _prompts(97, [5, 40, 3, 8, 12, 2, 7, 9, 4], seed=4)
     big = [extra[0], base[2], extra[1], extra[2], base[0], *extra[3:8], base[1], extra[8]]
     ids = [100, 2, 101, 102, 0, 103, 104, 105, 106, 107, 1, 108]
-    assert sampling.batch_bucket(len(big)) != sampling.batch_bucket(len(base))
-    assert sampling.prompt_bucket(40) != sampling.prompt_bucket(9)
+    assert sampling_plan.batch_bucket(len(big)) != sampling_plan.batch_bucket(len(base))
+    assert sampling_plan.prompt_bucket(40) != sampling_plan.prompt_bucket(9)
     c = sampling.generate(model, big, key=key, prompt_ids=ids, **kw)
     for pid, pos in [(0, 4), (1, 10), (2, 1)]:
         rows_a, rows_c = slice(3 * pid, 3 * pid + 3), slice(3 * pos, 3 * pos + 3)
@@ -156,10 +156,10 @@ def test_generate_on_a_mesh_gives_the_same_rows_with_the_trainers_programs():
     np.testing.assert_array_equal(b.logprobs, a.logprobs)
     graphdef, params = nnx.split(model)
     params = jax.device_put(params, parallel.tree_shardings(params, mesh))  # as the trainer
-    lay = placement.layout(mesh, model.cfg.num_kv_heads, sampling.batch_bucket(3))
-    prefill = sampling._jitted("prefill", graphdef, None, lay)
+    lay = placement.layout(mesh, model.cfg.num_kv_heads, sampling_plan.batch_bucket(3))
+    prefill = programs.get("prefill", graphdef, None, lay)
     size = prefill._cache_size()
-    tok, mask = sampling.left_pad(base, sampling.prompt_bucket(9), 0)
+    tok, mask = sampling.left_pad(base, sampling_plan.prompt_bucket(9), 0)
     c = sampling.sample(graphdef, params, tok, mask, key=kw["key"], num_samples=3,
                         max_new_tokens=12, temperature=1.0, eos_ids=(5,),
                         prompt_ids_B=np.arange(3, dtype=np.int32), mesh=mesh)
@@ -216,10 +216,10 @@ def test_second_batch_in_the_same_bucket_does_not_recompile():
     sampling.generate(model, _prompts(97, [3, 9, 5], seed=7), **kw)
     before = dict(decode.TRACE_COUNTS)
     graphdef, _ = nnx.split(model)
-    st = sampling._Static(num_samples=2, max_new_tokens=6, temperature=0.9, top_p=1.0, top_k=0,
+    st = sampling_plan.Knobs(num_samples=2, max_new_tokens=6, temperature=0.9, top_p=1.0, top_k=0,
                           eos_ids=(4,), pad_id=0)
-    prefill = sampling._jitted("prefill", graphdef, None, None)
-    segment = sampling._jitted("segment", graphdef, st, None)
+    prefill = programs.get("prefill", graphdef, None, None)
+    segment = programs.get("segment", graphdef, st, None)
     sizes = (prefill._cache_size(), segment._cache_size())
     # Other prompts of other lengths, same buckets (8 prompts, 16 tokens, 8 rows of 6 live).
     sampling.generate(model, _prompts(97, [14, 2, 16], seed=8), **kw,
@@ -327,23 +327,23 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_buckets():
-    assert [sampling.prompt_bucket(n) for n in (1, 16, 17, 25, 64, 65, 141, 1000)] == [
+    assert [sampling_plan.prompt_bucket(n) for n in (1, 16, 17, 25, 64, 65, 141, 1000)] == [
         16, 16, 24, 32, 64, 96, 192, 1024]
-    assert [sampling.prompt_bucket(n, fine=False) for n in (1, 17, 25, 65, 141)] == [
+    assert [sampling_plan.prompt_bucket(n, fine=False) for n in (1, 17, 25, 65, 141)] == [
         16, 32, 32, 128, 256]
-    assert [sampling.row_bucket(n) for n in (1, 8, 9, 13, 17, 33, 100)] == [
+    assert [sampling_plan.row_bucket(n) for n in (1, 8, 9, 13, 17, 33, 100)] == [
         8, 8, 12, 16, 24, 48, 128]
-    assert [sampling.row_bucket(n, shards=6) for n in (1, 13, 25)] == [12, 18, 36]
-    assert [sampling.row_bucket(n, shards=8) for n in (9, 17, 25)] == [16, 24, 32]
-    assert [sampling.row_bucket(n, fine=False) for n in (1, 9, 17, 33)] == [32, 32, 32, 64]
-    assert [sampling.row_bucket(n, shards=6, fine=False) for n in (1, 37)] == [36, 72]
-    assert sampling.fine_buckets(sampling.FINE_BUCKETS_MIN_PARAMS)
-    assert not sampling.fine_buckets(sampling.FINE_BUCKETS_MIN_PARAMS - 1)
-    assert [sampling.slot_bucket(n, 384) for n in (1, 33, 129, 200, 300)] == [32, 64, 256, 256,
+    assert [sampling_plan.row_bucket(n, shards=6) for n in (1, 13, 25)] == [12, 18, 36]
+    assert [sampling_plan.row_bucket(n, shards=8) for n in (9, 17, 25)] == [16, 24, 32]
+    assert [sampling_plan.row_bucket(n, fine=False) for n in (1, 9, 17, 33)] == [32, 32, 32, 64]
+    assert [sampling_plan.row_bucket(n, shards=6, fine=False) for n in (1, 37)] == [36, 72]
+    assert sampling_plan.fine_buckets(sampling_plan.FINE_BUCKETS_MIN_PARAMS)
+    assert not sampling_plan.fine_buckets(sampling_plan.FINE_BUCKETS_MIN_PARAMS - 1)
+    assert [sampling_plan.slot_bucket(n, 384) for n in (1, 33, 129, 200, 300)] == [32, 64, 256, 256,
                                                                                384]
-    assert sampling.slot_bucket(16, 72) == 32 and sampling.slot_bucket(40, 72) == 64
-    assert sampling.slot_bucket(70, 72) == sampling.gen_slots(72) == 72
-    assert [sampling.batch_bucket(n) for n in (1, 8, 9, 128, 129)] == [8, 8, 16, 128, 256]
+    assert sampling_plan.slot_bucket(16, 72) == 32 and sampling_plan.slot_bucket(40, 72) == 64
+    assert sampling_plan.slot_bucket(70, 72) == sampling_plan.gen_slots(72) == 72
+    assert [sampling_plan.batch_bucket(n) for n in (1, 8, 9, 128, 129)] == [8, 8, 16, 128, 256]
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -359,17 +359,17 @@ def test_chunked_prefill_of_long_prompts_gives_the_same_result(monkeypatch, rema
     # 8 prompt rows of 32 tokens: a budget of two rows' scores prefills 4 chunks of 2.
     monkeypatch.setattr(decode, "PREFILL_SCORES_BYTES", 2 * 4 * 32 * 32 * 4)
     assert decode.prefill_rows(model.cfg, 8, 32) == 2
-    monkeypatch.setattr(sampling, "_JITTED", {})  # fresh programs, traced with the new budget
+    monkeypatch.setattr(programs, "_CACHE", {})  # fresh programs, traced with the new budget
     chunked = sampling.generate(model, prompts, **kw)
     np.testing.assert_array_equal(chunked.tokens, whole.tokens)
     np.testing.assert_allclose(chunked.logprobs, whole.logprobs, atol=1e-5)
 
 
 def test_length_bucket_pads_under_an_eighth():
-    assert [sampling.length_bucket(n) for n in (1, 16, 17, 100, 129, 145, 1000, 8300)] == [
+    assert [sampling_plan.length_bucket(n) for n in (1, 16, 17, 100, 129, 145, 1000, 8300)] == [
         16, 16, 32, 112, 144, 160, 1024, 9216]
     for n in range(1, 5000, 7):
-        b = sampling.length_bucket(n)
+        b = sampling_plan.length_bucket(n)
         assert n <= b and (b - n) < max(16, n / 8)
 
 
@@ -381,13 +381,13 @@ def test_drop_programs_bounds_the_compiled_programs_and_changes_no_result(monkey
     kw = dict(max_new_tokens=5, num_samples=2, temperature=0.8, eos_token_id=4)
     prompts = [_prompts(97, [n], seed=n) for n in (3, 20, 40)]  # three prompt buckets
     first = [sampling.generate(model, p, **kw) for p in prompts]
-    held = sampling.compiled_programs()
+    held = programs.compiled()
     assert held >= 3
-    assert not sampling.drop_programs(limit=held)  # at the limit: kept
-    assert sampling.drop_programs(limit=held - 1)
-    assert sampling.compiled_programs() == 0
+    assert not programs.drop(limit=held)  # at the limit: kept
+    assert programs.drop(limit=held - 1)
+    assert programs.compiled() == 0
     again = [sampling.generate(model, p, **kw) for p in prompts]
-    assert sampling.compiled_programs() > 0
+    assert programs.compiled() > 0
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.logprobs, b.logprobs)

@@ -8,7 +8,7 @@ import pytest
 
 from sage_jax.rl import batching, rollout
 from sage_jax.config import Config, DataConfig, HintConfig, RLConfig
-from sage_jax.engine import packing, update
+from sage_jax.engine import packing, sampling_plan, update
 from sage_jax.tasks.base import PayloadHints
 from sage_jax.tasks.data import Example
 
@@ -299,7 +299,7 @@ def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
     out, _, _ = run("sage", ex)
     batch = batching.train_batch(out, loss_context="hinted")
     t = out.samples.tokens.shape[-1]
-    p = sampling.prompt_bucket(max(len(x) for x in out.prompts))
+    p = sampling_plan.prompt_bucket(max(len(x) for x in out.prompts))
     ptok, pmask = sampling.left_pad(out.prompts, p, 0)
     rows = np.arange(len(ex) * G) // G
     ans = out.samples.tokens.reshape(-1, t)
@@ -308,7 +308,7 @@ def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
     old_mask = np.concatenate([pmask[rows], alive], 1)
     old_loss = np.concatenate([np.zeros_like(pmask[rows]), alive], 1)
     longest = max(len(out.prompts[r]) + n for r, n in zip(rows, out.samples.lengths.ravel()))
-    assert batch["tokens_NxL"].shape[1] == sampling.length_bucket(longest)
+    assert batch["tokens_NxL"].shape[1] == sampling_plan.length_bucket(longest)
     cfg = models.DecoderConfig(family="llama", vocab_size=128, hidden_size=32,
                              intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                              head_dim=8)

@@ -14,7 +14,7 @@ from sage_jax.rl import batching, rollout
 from sage_jax import config, models
 from sage_jax.infra import parallel
 from sage_jax.core import grpo
-from sage_jax.engine import packing, sampling, update
+from sage_jax.engine import packing, sampling, sampling_plan, update
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.data import Example
 
@@ -70,7 +70,7 @@ def one_step(shape):
                      scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint, tables=tables,
                      step=0)
     # Greedy samples of the final (partly hinted) contexts, straight from the array API.
-    tok, mask = sampling.left_pad(ro.prompts, sampling.prompt_bucket(
+    tok, mask = sampling.left_pad(ro.prompts, sampling_plan.prompt_bucket(
         max(len(p) for p in ro.prompts)), task.pad_id)
     greedy = sampling.sample(graphdef, state.params, tok, mask, key=jax.random.PRNGKey(1),
                              num_samples=GROUP, max_new_tokens=NEW, temperature=0.0,
@@ -237,9 +237,9 @@ def test_rollout_with_fewer_slots_than_rows_samples_the_same_answers(shape, monk
     slots = []  # the slots of each call that batched continuously
     continuous = sampling._continuous
 
-    def counted(graphdef, params, st, mesh, n, *args, **kw):
-        slots.append(n)
-        return continuous(graphdef, params, st, mesh, n, *args, **kw)
+    def counted(graphdef, params, plan, *args, **kw):
+        slots.append(plan.slots)
+        return continuous(graphdef, params, plan, *args, **kw)
     monkeypatch.setattr(sampling, "_continuous", counted)
 
     def run(max_rows):

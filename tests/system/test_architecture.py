@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sage_jax"
 LAYERS = {
     "sage_jax": 0, "sage_jax.config": 0, "sage_jax.infra": 0, "sage_jax.models": 0,
     "sage_jax.core": 1,
-    "sage_jax.engine": 2,
+    "sage_jax.engine": 2, "sage_jax.analysis": 3,
     "sage_jax.tasks": 3,
     "sage_jax.rl": 4, "sage_jax.eval": 4,
     "sage_jax.run": 5,

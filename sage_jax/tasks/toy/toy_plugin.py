@@ -26,7 +26,7 @@ def make_model(cfg, dtype, compute_dtype) -> models.Decoder:
     if cfg.task.section(ToyConfig).warm_start:
         return warm_start.warm_started_model(cfg, dtype=dtype, compute_dtype=compute_dtype)
     return models.Decoder(toy.toy_model_config(), dtype=dtype, compute_dtype=compute_dtype,
-                          rngs=nnx.Rngs(cfg.train.seed))
+                          rngs=nnx.Rngs(cfg.train.seed), remat=cfg.model.remat)
 
 
 def examples(cfg) -> list:

@@ -101,20 +101,20 @@ def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
         shipped = packaged_settings(folder)
         if shipped is not None and _same(shipped, warm_start_settings(cfg)):
             progress(f"warm start: the shipped SFT model {folder}")
-            return models.from_hf(folder, dtype=dtype, compute_dtype=compute_dtype)
+            return models.from_hf(folder, dtype=dtype, compute_dtype=compute_dtype,
+                                  remat=cfg.model.remat)
     path = cache_path(cfg)
     if (path / "config.json").is_file():
         progress(f"warm start: cached SFT model {path}")
-        return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype)
+        return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype,
+                              remat=cfg.model.remat)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model = train_warm_start(cfg, tmp, progress=progress)
+    train_warm_start(cfg, tmp, progress=progress)
     if path.exists():  # another process got there first
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, path)
-    if dtype is not None or compute_dtype is not None:
-        return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype)
-    return model
+    return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype, remat=cfg.model.remat)
 
 
 def train_warm_start(cfg, out: str | Path, *, progress=print):

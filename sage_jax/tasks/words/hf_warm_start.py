@@ -90,7 +90,8 @@ def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
     when task.words.sft_steps is 0."""
     base = check_model_dir(Path(cfg.model.path).expanduser())
     if cfg.task.section(WordsConfig).sft_steps == 0:
-        return models.from_hf(base, dtype=dtype, compute_dtype=compute_dtype)
+        return models.from_hf(base, dtype=dtype, compute_dtype=compute_dtype,
+                              remat=cfg.model.remat)
     path = cache_path(cfg)
     if not (path / "config.json").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -101,7 +102,7 @@ def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
             os.replace(tmp, path)
     else:
         progress(f"warm start: cached SFT model {path}")
-    return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype)
+    return models.from_hf(path, dtype=dtype, compute_dtype=compute_dtype, remat=cfg.model.remat)
 
 
 def train_warm_start(cfg, out: str | Path, *, progress=print) -> Path:

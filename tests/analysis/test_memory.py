@@ -18,7 +18,8 @@ from flax import nnx
 from grad_fixtures import minibatch_grads
 from sage_jax.run import build
 from sage_jax.core import grpo
-from sage_jax.engine import memory, packing, sampling, update
+from sage_jax.engine import packing, programs, sampling, sampling_plan, update
+from sage_jax.analysis import memory
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, RLConfig
@@ -148,7 +149,7 @@ def test_kv_cache_matches_what_the_sampler_allocates(monkeypatch, sizes):
     rows split over data*fsdp, KV heads over tensor (None: no mesh, one device). The layer of
     fewer rows that a regroup builds (15 live rows -> 16) fits the estimated transient."""
     seen = {"regroup": []}
-    real = sampling._jitted
+    real = programs.get
 
     def spy(kind, *args):
         fn = real(kind, *args)
@@ -165,8 +166,8 @@ def test_kv_cache_matches_what_the_sampler_allocates(monkeypatch, sizes):
 
         return call
 
-    monkeypatch.setattr(sampling, "_jitted", spy)
-    monkeypatch.setattr(sampling, "COARSE_ROW_BUCKET_MIN", sampling.ROW_BUCKET_MIN)  # regroups
+    monkeypatch.setattr(programs, "get", spy)
+    monkeypatch.setattr(sampling_plan, "COARSE_ROW_BUCKET_MIN", sampling_plan.ROW_BUCKET_MIN)  # regroups
     cfg = make_cfg("bfloat16", True)
     mesh = make_mesh(sizes or (1, 1, 1))
     graphdef, state = update.init_train_state(make_model(cfg), settings_of(cfg), mesh)

@@ -44,7 +44,8 @@ from jax.sharding import Mesh, Sharding
 from sage_jax.config import Config
 from sage_jax.infra import hardware, parallel
 from sage_jax import models
-from sage_jax.engine import decode, placement, sampling, update
+from sage_jax.engine import decode, placement, programs, update
+from sage_jax.engine.sampling_plan import Knobs, SamplingPlan
 from sage_jax.engine.state import TrainState
 
 GIB = 1024 ** 3
@@ -321,19 +322,23 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
                       cfg: Config, mesh: Mesh, *, prompts: int, group: int, prompt_len: int,
                       max_new_tokens: int, temperature: float, optimizer_bytes: int,
                       all_buckets: bool, continuous: bool = False) -> list[Program]:
-    """`sampler_programs`; `continuous`: the call has more rows than `prompts` * `group` and
-    batches continuously (`sampling.sample(max_rows=...)`): its decode state holds one row per
-    group from the start, each with its prompt's keys/values."""
-    fine = sampling.fine_buckets(model_cfg.num_params())
-    b, p = sampling.batch_bucket(prompts), sampling.prompt_bucket(prompt_len, fine=fine)
-    st = sampling._Static(num_samples=group, max_new_tokens=max_new_tokens,
-                          temperature=float(temperature), top_p=cfg.rl.top_p, top_k=cfg.rl.top_k,
-                          eos_ids=tuple(model_cfg.eos_ids) or (0,), pad_id=0)
+    """`sampler_programs`: the programs of the call's `SamplingPlan`; `continuous`: the call
+    has more rows than `prompts` * `group` and batches continuously
+    (`sampling.sample(max_rows=...)`): its decode state holds one row per group from the start,
+    each with its prompt's keys/values."""
+    knobs = Knobs(num_samples=group, max_new_tokens=max_new_tokens,
+                  temperature=float(temperature), top_p=cfg.rl.top_p, top_k=cfg.rl.top_k,
+                  eos_ids=tuple(model_cfg.eos_ids) or (0,), pad_id=0)
+    # A continuous call samples more prompts than `prompts`, in `prompts` * `group` slots.
+    plan = SamplingPlan.of(knobs, prompts * (2 if continuous else 1), prompt_len,
+                           num_params=model_cfg.num_params(), shards=parallel.row_shards(mesh),
+                           max_rows=prompts * group if continuous else None)
+    b, p = plan.prefill_prompts, plan.prompt_cols
     lay = placement.layout(mesh, model_cfg.num_kv_heads, b)
     rows = placement.spec(lay)
     repl = placement.replicated(lay)
     progs = []
-    prefill = compile_one(f"{prefix}/prefill", sampling._jitted("prefill", graphdef, None, lay),
+    prefill = compile_one(f"{prefix}/prefill", programs.get("prefill", graphdef, None, lay),
                           (params, _abstract((b, p), jnp.int32, rows),
                            _abstract((b, p), jnp.bool_, rows)), resident=optimizer_bytes)
     progs.append(prefill)
@@ -341,58 +346,47 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
         return progs
     assert prefill.compiled is not None  # compile_one keeps what compiled
     logits, prompt_k, prompt_v = prefill.compiled.out_info
-    steps = sampling.slot_schedule(max_new_tokens, bool(st.eos_ids))
-    cap0 = min(steps)
     progs.append(compile_one(
-        f"{prefix}/start", sampling._jitted("start", None, st, lay, cap0),
+        f"{prefix}/start", programs.get("start", None, knobs, lay, plan.first_cache),
         (prompt_k, prompt_v, _abstract((b, p), jnp.bool_, rows), logits,
          _abstract((2,), jnp.uint32, repl), _abstract((b,), jnp.int32, rows),
          _abstract((b,), jnp.bool_, rows)), resident=optimizer_bytes))
     dtype = prompt_k[0].dtype
-    slots = sorted(steps)
-    shards = parallel.row_shards(mesh)
-    r0 = b * group
-    g0 = 1 if continuous else group  # rows per group in the first decode state
-    smaller = sorted({sampling.row_bucket(n, shards, fine=fine) for n in range(1, r0)} - {r0})
-    smaller = [r for r in smaller if r < r0]
-    pairs = [(r0, g0, s) for s in (slots if all_buckets else sorted({slots[0], slots[-1]}))]
-    if smaller:
-        pairs += [(r, 1, s) for r in (smaller if all_buckets else smaller[-1:])
-                  for s in (slots if all_buckets else slots[-1:])]
-    for r, g, s in pairs:
-        rlay = placement.layout(mesh, model_cfg.num_kv_heads, r)
-        state = decode_state(model_cfg, rlay, r // g, g, p, s, dtype)
-        prog = compile_one(f"{prefix}/decode@{r}x{s}",
-                           sampling._jitted("segment", graphdef, st, rlay),
+    r0, g0 = plan.first_rows, (1 if plan.continuous else group)
+    for d in plan.decode_shapes(all_buckets):
+        rlay = placement.layout(mesh, model_cfg.num_kv_heads, d.rows)
+        state = decode_state(model_cfg, rlay, d.groups, d.rows_per_group, p, d.slots, dtype)
+        prog = compile_one(f"{prefix}/decode@{d.rows}x{d.slots}",
+                           programs.get("segment", graphdef, knobs, rlay),
                            (params, state, _abstract((), jnp.int32, placement.replicated(rlay))),
                            resident=optimizer_bytes, calls=0.0)
         prog.bytes_per_call = prog.argument  # one step reads every weight and cache slot once
         progs.append(prog)
-    _decode_calls([q for q in progs if f"/decode@{r0}x" in q.name], steps)
+    _decode_calls([q for q in progs if f"/decode@{r0}x" in q.name], plan.schedule)
     # Regrouping, one layer at a time, the other layers' caches resident.
-    last, half = slots[-1], (slots[-2] if len(slots) > 1 else None)
+    last = max(plan.schedule)
     whole = device_bytes(decode_state(model_cfg, lay, r0 // g0, g0, p, last, dtype))
     per_layer = whole // model_cfg.num_layers
     regroup_resident = optimizer_bytes + whole - per_layer
     layer_in = lambda state: (state.gen_k[0], state.gen_v[0])  # noqa: E731
-    if half:
-        old = decode_state(model_cfg, lay, r0 // g0, g0, p, half, dtype)
+    if plan.grow:
+        old = decode_state(model_cfg, lay, r0 // g0, g0, p, plan.grow[0], dtype)
         progs.append(compile_one(f"{prefix}/grow@{last}",
-                                 sampling._jitted("regroup", None, None, lay, last),
+                                 programs.get("regroup", None, None, lay, last),
                                  layer_in(old), resident=regroup_resident,
-                                 calls=model_cfg.num_layers * (len(slots) - 1)))
-    if smaller:
-        r1 = smaller[-1]
+                                 calls=model_cfg.num_layers * (len(plan.schedule) - 1)))
+    if plan.drop_rows:
+        r1 = plan.drop_rows
         rlay = placement.layout(mesh, model_cfg.num_kv_heads, r1)
         old = decode_state(model_cfg, lay, r0 // g0, g0, p, last, dtype)
         index = _abstract((r1,), jnp.int32, placement.replicated(rlay))
         progs.append(compile_one(
-            f"{prefix}/drop@{r1}", sampling._jitted("regroup", None, None, rlay, last),
+            f"{prefix}/drop@{r1}", programs.get("regroup", None, None, rlay, last),
             (*layer_in(old), old.prompt_k[0], old.prompt_v[0], index),
             resident=regroup_resident, calls=0.0))
         fields = {k: getattr(old, k) for k in decode.ROW_FIELDS}
         progs.append(compile_one(
-            f"{prefix}/rows@{r1}", sampling._jitted("rows", None, None, rlay),
+            f"{prefix}/rows@{r1}", programs.get("rows", None, None, rlay),
             (fields, index, _abstract((r1,), jnp.bool_, placement.spec(rlay))),
             resident=optimizer_bytes + whole, calls=0.0))
     return progs

@@ -1,4 +1,4 @@
-"""Compile-only checks for hardware that is not here (`sage_jax.engine.compile_check`, `python -m
+"""Compile-only checks for hardware that is not here (`sage_jax.analysis.compile_check`, `python -m
 sage_jax.aot`): a tiny decoder's train step and sampler programs compiled by the XLA TPU
 compiler for a v5e:2x2 slice (libtpu, `requirements-tpu.txt`) and by the XLA GPU compiler for
 4 A100s (`requirements-gpu-aot.txt`, in a venv of its own), their memory within a budget, the
@@ -21,7 +21,8 @@ import pytest
 
 from sage_jax import models
 from sage_jax.infra import hardware, parallel
-from sage_jax.engine import compile_check as aot, placement
+from sage_jax.engine import placement
+from sage_jax.analysis import compile_check as aot
 from sage_jax.tasks import registry
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,8 @@ from flax import nnx
 from sage_jax import models
 from sage_jax.models.decoder import causal_blocks
 from sage_jax.infra import parallel
-from sage_jax.engine import decode, placement, sampling, update
+from sage_jax.engine import decode, placement, update
+from sage_jax.engine.sampling_plan import Knobs, SamplingPlan, length_bucket, prompt_bucket
 from sage_jax.config import OptimConfig
 from sage_jax.engine.state import TrainState, master_params
 
@@ -169,34 +170,32 @@ def tree_bytes(tree, mesh, itemsize: int | None = None, rules=parallel.PARTITION
 def kv_cache_bytes(cfg: models.DecoderConfig, mesh, *, prompts: int, group_size: int,
                    prompt_len: int, max_new_tokens: int, dtype,
                    continuous: bool = False) -> tuple[int, int]:
-    """(cache bytes, largest transient) of `sampling.sample` for `prompts` prompts; see
-    `Estimate.kv_cache` and `Estimate.sampler_work`. `continuous`: a call of more rows that
-    batches continuously in `prompts` * `group_size` slots, each row with its prompt's copy."""
-    b = sampling.batch_bucket(prompts)
-    fine = sampling.fine_buckets(cfg.num_params())
-    p, s = sampling.prompt_bucket(prompt_len, fine=fine), sampling.gen_slots(max_new_tokens)
+    """(cache bytes, largest transient) of `sampling.sample` for `prompts` prompts (the sizes of
+    its `SamplingPlan`, EOS ids on); see `Estimate.kv_cache` and `Estimate.sampler_work`.
+    `continuous`: a call of more rows that batches continuously in `prompts` * `group_size`
+    slots, each row with its prompt's copy."""
+    knobs = Knobs(num_samples=group_size, max_new_tokens=max_new_tokens, temperature=1.0,
+                  top_p=1.0, top_k=0, eos_ids=tuple(cfg.eos_ids) or (0,), pad_id=0)
     shards = _row_shards(mesh)
-    rows, k = _split(b, shards), _split(cfg.num_kv_heads, mesh.shape["tensor"])
+    plan = SamplingPlan.of(knobs, prompts * (2 if continuous else 1), prompt_len,
+                           num_params=cfg.num_params(), shards=shards,
+                           max_rows=prompts * group_size if continuous else None)
+    p, s = plan.prompt_cols, max(plan.schedule)
+    rows = _split(plan.first_rows, shards)  # decode rows on a device
+    groups = rows if plan.continuous else _split(plan.batch, shards)  # prompt copies
+    k = _split(cfg.num_kv_heads, mesh.shape["tensor"])
     kv_row = 2 * k * cfg.head_dim * _itemsize(dtype)  # k and v of one slot, one layer
-    prompt = cfg.num_layers * rows * (group_size if continuous else 1) * p * kv_row
-    cache = prompt + cfg.num_layers * rows * group_size * s * kv_row + rows * p  # + mask
-    logits = LOGIT_COPIES * rows * group_size * cfg.vocab_size * F32  # rows split, V whole
-    chunk = decode.prefill_rows(cfg, b, p)  # prompts per prefill chunk (global)
+    cache = cfg.num_layers * (groups * p + rows * s) * kv_row + groups * p  # + mask
+    logits = LOGIT_COPIES * rows * cfg.vocab_size * F32  # rows split, V whole
+    chunk = decode.prefill_rows(cfg, plan.prefill_prompts, p)  # prompts per prefill chunk
     scores = (2 * _split(chunk, shards) * _split(cfg.num_heads, mesh.shape["tensor"])
               * p * p * F32)  # float32 scores and softmax of one chunk, one layer
     # The cache grows by doubling, layer by layer: the last growth holds one layer's half-size
     # cache next to its full one.
-    half = max((x for x in map(lambda c: sampling.slot_bucket(c, max_new_tokens), range(1, s))
-                if x < s), default=0)
-    grow = rows * group_size * half * kv_row
+    grow = rows * (plan.grow[0] if plan.grow else 0) * kv_row
     # Dropping finished rows builds, layer by layer, the layer of fewer rows (one per group, its
-    # prompt copied) while the old one lives: at most the largest row bucket below all the rows
-    # (with the 1.5x buckets, the larger bound).
-    total = b * group_size
-    fewer = max((x for x in map(lambda n: sampling.row_bucket(n, shards, fine=True),
-                                range(1, total))
-                 if x < total), default=0)
-    regroup = _split(fewer, shards) * (p + s) * kv_row
+    # prompt copied) while the old one lives.
+    regroup = _split(plan.drop_rows or 0, shards) * (p + s) * kv_row
     return cache, max(logits, scores, grow, regroup)
 
 
@@ -285,8 +284,8 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
     """Per-device bytes of a run (see `Estimate`): `rows_per_step` = prompts * group_size
     answers per step, `micro_batch_rows` rows per gradient-accumulation pass (None = a whole
     mini-batch, rows_per_step / minibatches), prompts of up to `prompt_len` tokens (the
-    sampler rounds them up to `sampling.prompt_bucket`, the update its rows of prompt + answer
-    to a `sampling.length_bucket`), answers of `max_new_tokens`; `sample_prompts` prompts per
+    sampler rounds them up to `prompt_bucket`, the update its rows of prompt + answer to a
+    `length_bucket`), answers of `max_new_tokens`; `sample_prompts` prompts per
     sampling call (None = all the step's prompts at once, as `rollout.run` samples them);
     `continuous`: with fewer than all, the calls batch continuously (`rl.continuous_batching`).
     `mesh_shape` maps "data", "fsdp", "tensor" to sizes."""
@@ -304,7 +303,7 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
     terms = activation_terms(
         model_cfg, mesh, rows_per_step=rows_per_step,
         micro_batch_rows=micro_batch_rows or rows_per_step // minibatches,
-        seq_len=sampling.length_bucket(sampling.prompt_bucket(prompt_len) + max_new_tokens),
+        seq_len=length_bucket(prompt_bucket(prompt_len) + max_new_tokens),
         compute_dtype=compute_dtype,
         state_itemsize=jax.tree.leaves(state.params)[0].dtype.itemsize, remat=remat,
         logprob_chunk=logprob_chunk)
