@@ -1,6 +1,8 @@
 """The sampling plan is the call's plan: every program `sampling.sample` runs has a shape that
 `SamplingPlan` lists (what `analysis.compile_check` compiles and `analysis.memory` sizes)."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -80,3 +82,17 @@ def test_every_program_a_call_runs_is_in_its_plan(monkeypatch, max_rows):
     else:
         assert (plan.prefill_prompts, plan.prompt_cols) in prefills
         assert {p for p, _ in prefills} <= {1, 2}  # admissions of up to 6 // 3 prompts
+
+
+def test_the_library_docs_show_what_the_plan_says():
+    """docs/library.md's plan example prints what this plan gives (the comments are its output)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "library.md").read_text()
+    knobs = Knobs(num_samples=8, max_new_tokens=384, temperature=1.0, top_p=1.0, top_k=0,
+                  eos_ids=(2,), pad_id=0)
+    plan = SamplingPlan.of(knobs, prompts=32, prompt_len=120, num_params=135_000_000,
+                           max_rows=64)
+    assert "SamplingPlan.of(knobs, prompts=32, prompt_len=120, num_params=135_000_000, " \
+           "max_rows=64)" in doc
+    assert f"# {plan.continuous}, {plan.prompt_cols}, {plan.schedule}" in doc
+    shapes = [(d.rows, d.rows_per_group, d.slots) for d in plan.decode_shapes()]
+    assert f"# {shapes}" in doc
