@@ -138,10 +138,12 @@ def test_logprobs_of_regrouped_rows_equal_the_full_forward(case):
     graphdef, params = nnx.split(model)
     rows = [list(p) + out.tokens[r, :out.lengths[r]].tolist()
             for r, p in enumerate(p for p in prompts for _ in range(3))]
+    width = max(map(len, rows))  # right padding: a causal forward's earlier positions ignore it
+    logits_all = models.apply(graphdef, params, jnp.asarray(
+        [full + [0] * (width - len(full)) for full in rows]))  # one forward, one compile
     for r, full in enumerate(rows):
         n, plen = int(out.lengths[r]), len(full) - int(out.lengths[r])
-        logits = models.apply(graphdef, params, jnp.asarray([full]))[0]
-        ref = jax.nn.log_softmax(logits[plen - 1:plen - 1 + n], axis=-1)
+        ref = jax.nn.log_softmax(logits_all[r, plen - 1:plen - 1 + n], axis=-1)
         np.testing.assert_allclose(out.logprobs[r, :n],
                                    np.take_along_axis(np.asarray(ref), out.tokens[r, :n, None],
                                                       -1)[:, 0], atol=2e-5, rtol=2e-5)
