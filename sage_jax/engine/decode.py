@@ -37,7 +37,7 @@ from flax import nnx
 
 from sage_jax.engine import placement
 from sage_jax.engine.select import is_eos, select
-from sage_jax.models.decoder import _NEG, apply_rope, rope_inv_freq
+from sage_jax.models.decoder import MASKED_SCORE, apply_rope, rope_inv_freq
 
 PREFILL_SCORES_BYTES = 1 << 30  # prefill in chunks of prompts above ~1 GiB of attention scores
 
@@ -104,10 +104,10 @@ def _attend(attn, queries, prompt_kv, prompt_mask_BxP, gen_kv, gen_valid_RxS, ne
     scale = 1.0 / math.sqrt(h)
     s_p = jnp.einsum("bkgqh,bkhs->bkgqs", q, pk.astype(cd),
                      preferred_element_type=jnp.float32) * scale
-    s_p = jnp.where(prompt_mask_BxP[:, None, None, None, :], s_p, _NEG)
+    s_p = jnp.where(prompt_mask_BxP[:, None, None, None, :], s_p, MASKED_SCORE)
     s_g = jnp.einsum("bkgqh,bkghs->bkgqs", q, gk.astype(cd),
                      preferred_element_type=jnp.float32) * scale
-    s_g = jnp.where(gen_valid_RxS.reshape(b, 1, g, 1, -1), s_g, _NEG)
+    s_g = jnp.where(gen_valid_RxS.reshape(b, 1, g, 1, -1), s_g, MASKED_SCORE)
     s_n = jnp.einsum("bkgqh,bkgh->bkgq", q, nk.astype(cd),
                      preferred_element_type=jnp.float32)[..., None] * scale
     # softmax over [prompt slots, generated slots, itself] without concatenating them

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from sage_jax.models.decoder_config import DecoderConfig
 from sage_jax.infra.parallel import ROWS
 
-_NEG = -1e30  # finite "minus infinity": a fully masked (padding) row stays finite
+MASKED_SCORE = -1e30  # finite "minus infinity": a fully masked (padding) row stays finite
 # Causal self-attention (no cache) runs in query blocks that read only the keys up to their
 # own end: less work and smaller scores than the full [T, T] product (each block's keys and
 # values are a slice, copied, so short rows stay one block). Blocks of at least
@@ -149,7 +149,7 @@ def _attend(q_BxTxKxJxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS):
     cd = q_BxTxKxJxH.dtype
     scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxJxH, k_BxSxKxH.astype(cd),
                         preferred_element_type=jnp.float32) / math.sqrt(h)
-    scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
+    scores = jnp.where(allowed_BxTxS[:, None, None], scores, MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1).astype(cd)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH.astype(cd))
 

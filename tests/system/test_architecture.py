@@ -135,6 +135,41 @@ def test_no_import_hides_in_a_function_body():
     assert not hidden, "imports inside functions:\n" + "\n".join(hidden)
 
 
+def _private_uses(path: Path) -> list[str]:
+    """A module's uses of another package module's private names: `from sage_jax.x import _y`
+    and `x._y` where `x` is a package module it imported."""
+    tree = ast.parse(path.read_text())
+    aliases, out = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sage_jax"):
+            for a in node.names:
+                if a.name.startswith("_"):
+                    out.append(f"{path.name}:{node.lineno} imports {node.module}.{a.name}")
+                aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            aliases.update(a.asname or a.name for a in node.names
+                           if a.name.startswith("sage_jax"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+                and node.value.id in aliases):
+            out.append(f"{path.name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return out
+
+
+def test_no_module_uses_a_private_name_of_another():
+    bad = [u for m in MODULES for u in _private_uses(MODULES[m])]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_name_reader_sees_both_forms(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from sage_jax.engine import sampling\nfrom sage_jax.core.grpo import _x\n"
+                    "sampling._continuous(1)\nsampling.sample()\n")
+    assert _private_uses(path) == ["probe.py:2 imports sage_jax.core.grpo._x",
+                                   "probe.py:3 uses sampling._continuous"]
+
+
 @pytest.mark.parametrize("source, want", [
     ("from sage_jax import train\n", {"sage_jax.train"}),
     ("from sage_jax.run import loop\n", {"sage_jax.run.loop"}),
