@@ -48,3 +48,11 @@ def smollm2_dir() -> Path:
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)  # whole or not at all: a killed conversion leaves no half folder
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/system/ first: its files are the suite's longest (the real model's recipe and study,
+    the wheel), so with two workers (`pytest -n 2 --dist loadfile`, the README's command) they
+    start early and the short files fill in around them, instead of one worker finishing them
+    alone at the end. The order within each part is kept."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/system/"))
