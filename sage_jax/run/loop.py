@@ -292,8 +292,9 @@ def _step(run: _Run, step: int) -> dict:
         programs.drop()  # prompt lengths not seen before compile more of them each step
         host_memory.trim()
         run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
-        if run.engine is not None:  # (its weight sync counts as host work between phases)
-            run.engine.load(run.state.params)  # the updated policy samples the next step
+        if run.engine is not None:  # the updated policy samples the next step
+            with timer("sync"):  # time/sync_s: a part of time/host_s, not a phase of its own
+                run.engine.load(run.state.params)
     _check_finite(upd, step, run.last_saved, run.workdir)
     elapsed = time.perf_counter() - t_step
     metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics, **gap,

@@ -78,6 +78,21 @@ def row_seed(step: int, prompt_id: int, salt: int) -> int:
     return zlib.crc32(f"{step}/{prompt_id}/{salt}".encode()) & 0x7FFFFFFF
 
 
+def _repack_vocab_layers(model) -> int:
+    """Re-runs the embedding's and the LM head's post-load processing: on CPU it packs their
+    weights for oneDNN once at start-up and keeps the weight too, so the in-place reload leaves
+    the old packed copy in use (measured: log-probs off by 0.14 after a 1 % update, 2.6e-5 with
+    this). A no-op elsewhere. Returns the layers processed."""
+    import vllm  # pyright: ignore[reportMissingImports]  # the optional extra, only here
+
+    vocab = vllm.model_executor.layers.vocab_parallel_embedding  # loaded with the model
+
+    layers = [m for m in model.modules() if isinstance(m, vocab.VocabParallelEmbedding)]
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer)
+    return len(layers)
+
+
 class VllmSampler:
     """The rollout's `GroupSampler` on vLLM's engine, in this process.
 
@@ -109,9 +124,14 @@ class VllmSampler:
         """Gives the engine the policy's weights (the `nnx.State` of a `Decoder` of `dims`)."""
         import torch  # vLLM's own dependency: its load_weights takes torch tensors
 
-        weights = [(name, torch.from_numpy(np.asarray(t, np.float32)))
+        weights = [(name, torch.from_numpy(np.array(t, np.float32)))  # a writable copy
                    for name, t in models.hf_tensors(self.dims, params).items()]
-        self.llm.apply_model(lambda model: model.load_weights(weights))
+        # vLLM's in-place reload: checkpoint-format tensors through each layer's weight loader,
+        # then its post-load processing again (on CPU the linear weights are repacked for
+        # oneDNN, which a bare `model.load_weights` after start-up cannot reach).
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                          "is_checkpoint_format": True})
+        self.llm.apply_model(_repack_vocab_layers)
 
     def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, temperature,
                  top_p, top_k) -> Samples:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ from sage_jax import config, models, train
 from sage_jax.bench import workloads
 from sage_jax.core import grpo
 from sage_jax.rl import batching
-from sage_jax.run import loop, vllm_engine
+from sage_jax.run import vllm_engine
 
 needs_no_vllm = pytest.mark.skipif(vllm_engine.installed(),
                                    reason="vLLM is installed here: the missing-extra path is moot")
@@ -126,13 +128,19 @@ def test_three_steps_of_the_smollm2_recipe_with_the_vllm_engine(smollm2_dir, sha
     data.write_text("".join(json.dumps({"problem": r["question"], "answer": r["answer"].rsplit(
         "####", 1)[1].strip(), "solution": r["answer"].rsplit("####", 1)[0]}) + "\n"
         for r in rows))
-    cfg = config.load_config("smollm2_gsm8k", [
+    # the entry command on one CPU device, as a user runs it (the tests' 8 fake devices would
+    # hold 8 copies of the model and its optimiser state)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: this machine is shared
+    out = subprocess.run([
+        sys.executable, "-m", "sage_jax.train", "--config", "smollm2_gsm8k",
+        "--workdir", str(tmp_path / "run"),
         f"model.path={smollm2_dir}", f"data.train_files=[{data}]", f"rl.method={method}",
         "rollout.engine=vllm", "train.steps=3", "rl.prompts_per_step=2", "rl.group_size=2",
         "rl.micro_batch_size=null", "rl.max_new_tokens=64", "hint.max_new_tokens=64",
-        "checkpoint.every=0", "train.samples_every=0"])
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    loop.train(cfg, tmp_path / "run")
+        "checkpoint.every=0", "train.samples_every=0"], env=env, capture_output=True, text=True,
+        timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text(
         ).splitlines()]
     assert [m["step"] for m in logged] == [1, 2, 3]
