@@ -27,12 +27,13 @@ How a call runs (its sizes are a `sampling_plan.SamplingPlan`; the device progra
    the generated-token cache is full or the running rows fit a smaller row bucket; the host
    then gathers the running rows into that bucket (one row per group from then on, the
    prompt's keys/values copied) or doubles the cache, which starts small (all T without EOS
-   ids), so attention reads only the slots in use. A call therefore synchronises with the host once per cache size and row bucket it
-   passes through (`SampleOutput.host_syncs`: about log2(T / 32) + the row buckets, not one per
-   fixed number of tokens). Regrouping and growing go layer by layer, each old layer freed once
-   read: the old and the new cache never both live whole. Decoding ends when every row has
-   emitted an EOS id or T tokens. Programs are cached per shape: a run compiles one segment
-   program per (prompt bucket, row bucket, cache size) it meets.
+   ids), so attention reads only the slots in use. A call therefore synchronises with the host
+   once per cache size and row bucket it passes through (`SampleOutput.host_syncs`: about
+   log2(T / 32) + the row buckets, not one per fixed number of tokens). Regrouping and growing
+   go layer by layer, each old layer freed once read: the old and the new cache never both live
+   whole. Decoding ends when every row has emitted an EOS id or T tokens. Programs are cached
+   per shape: a run compiles one segment program per (prompt bucket, row bucket, cache size)
+   it meets.
 4. Continuous batching (`max_rows`, when B*G is larger): the decode state holds `max_rows`
    slots, one row per group, each with its prompt's keys/values. The first prompts fill the
    slots; whenever a quarter of the slots (or what the pending prompts need) have finished, the
@@ -81,6 +82,7 @@ from sage_jax.config import check_sampling
 from sage_jax.infra import distributed, parallel
 from sage_jax.engine import decode, placement, programs
 from sage_jax.engine.sampling_plan import Knobs, SamplingPlan, admit_bucket
+
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
     """(tokens_BxP int32, mask_BxP bool) with each prompt right-aligned in `length` columns (the
