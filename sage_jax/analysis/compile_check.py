@@ -329,10 +329,8 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
     knobs = Knobs(num_samples=group, max_new_tokens=max_new_tokens,
                   temperature=float(temperature), top_p=cfg.rl.top_p, top_k=cfg.rl.top_k,
                   eos_ids=tuple(model_cfg.eos_ids) or (0,), pad_id=0)
-    # A continuous call samples more prompts than `prompts`, in `prompts` * `group` slots.
-    plan = SamplingPlan.of(knobs, prompts * (2 if continuous else 1), prompt_len,
-                           num_params=model_cfg.num_params(), shards=parallel.row_shards(mesh),
-                           max_rows=prompts * group if continuous else None)
+    plan = SamplingPlan.of_chunk(knobs, prompts, prompt_len, num_params=model_cfg.num_params(),
+                                 shards=parallel.row_shards(mesh), continuous=continuous)
     b, p = plan.prefill_prompts, plan.prompt_cols
     lay = placement.layout(mesh, model_cfg.num_kv_heads, b)
     rows = placement.spec(lay)

@@ -177,9 +177,8 @@ def kv_cache_bytes(cfg: models.DecoderConfig, mesh, *, prompts: int, group_size:
     knobs = Knobs(num_samples=group_size, max_new_tokens=max_new_tokens, temperature=1.0,
                   top_p=1.0, top_k=0, eos_ids=tuple(cfg.eos_ids) or (0,), pad_id=0)
     shards = _row_shards(mesh)
-    plan = SamplingPlan.of(knobs, prompts * (2 if continuous else 1), prompt_len,
-                           num_params=cfg.num_params(), shards=shards,
-                           max_rows=prompts * group_size if continuous else None)
+    plan = SamplingPlan.of_chunk(knobs, prompts, prompt_len, num_params=cfg.num_params(),
+                                 shards=shards, continuous=continuous)
     p, s = plan.prompt_cols, max(plan.schedule)
     rows = _split(plan.first_rows, shards)  # decode rows on a device
     groups = rows if plan.continuous else _split(plan.batch, shards)  # prompt copies
