@@ -12,6 +12,10 @@ peak RSS is the kernel's (`wait4` ru_maxrss), its step times its own (our `metri
 `time/step_s`; a `TrainerCallback` for TRL). The first step compiles (ours) or warms up (TRL),
 so the medians are over the other steps; the first is reported beside them.
 
+With --vllm-python, this library runs a second time under that python (a venv with vLLM and
+sage_jax) with `rollout.engine=vllm`, on the same prompts (the same seed draws them), so the
+native and the vLLM engine are timed in the same sitting.
+
 TRL is optional and runs from its own venv (`pip install torch==2.13.0 trl==1.16.0`): without
 --trl-python only this library is measured. The machine should be otherwise idle: the script
 reads /proc/stat around each run and marks a run `contended` when other processes used more
@@ -79,20 +83,25 @@ def summary(step_s: list[float]) -> dict:
 
 # ---- the two runs ------------------------------------------------------------------------------
 
-def run_ours(args, work: Path) -> tuple[dict, list[list[int]]]:
+def run_ours(args, work: Path, *, name="sage_jax", python=sys.executable, extra=(),
+             env=None) -> tuple[dict, list[list[int]]]:
     """This library's trainer for --steps GRPO steps; (result, the prompt ids of each step)."""
-    run_dir = work / "sage_jax"
-    cmd = [sys.executable, "-m", "sage_jax.train", "--config", "smollm2_gsm8k", "--workdir",
+    run_dir = work / name
+    cmd = [python, "-m", "sage_jax.train", "--config", "smollm2_gsm8k", "--workdir",
            str(run_dir), f"model.path={args.model}", f"data.train_files=[{args.data}]",
            "rl.method=grpo", f"train.steps={args.steps}", "checkpoint.every=0",
-           "train.samples_every=0", *args.override]
-    res = run_child(cmd, work / "sage_jax.log")
+           "train.samples_every=0", *args.override, *extra]
+    res = run_child(cmd, work / f"{name}.log", env=env)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     groups = [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines()]
     res.update(summary([r["time/step_s"] for r in rows]))
-    res["update_s"] = [round(r["time/update_s"], 1) for r in rows]
-    res["sample_s"] = [round(r["time/sample_s"], 1) for r in rows]
+    for key in ("update", "sample", "sync"):
+        if f"time/{key}_s" in rows[0]:
+            res[f"{key}_s"] = [round(r[f"time/{key}_s"], 1) for r in rows]
     res["tokens_sampled"] = [int(r["tokens/sampled"]) for r in rows]
+    if "rollout/logprob_diff_mean" in rows[0]:
+        res["logprob_diff_mean"] = [r["rollout/logprob_diff_mean"] for r in rows]
+        res["logprob_diff_max"] = [r["rollout/logprob_diff_max"] for r in rows]
     return res, [g["id"] for g in groups]
 
 
@@ -182,6 +191,11 @@ def main(argv=None) -> None:
     ap.add_argument("--data", required=True, help="GSM8K-style jsonl (make_gsm8k_demo.py)")
     ap.add_argument("--steps", type=int, default=4, help="GRPO steps per run")
     ap.add_argument("--trl-python", default=None, help="a python with trl installed")
+    ap.add_argument("--vllm-python", default=None,
+                    help="a python with vLLM and sage_jax installed: also runs this library "
+                         "with rollout.engine=vllm")
+    ap.add_argument("--vllm-kv-gib", type=float, default=1.0,
+                    help="VLLM_CPU_KVCACHE_SPACE for that run (GiB of KV cache)")
     ap.add_argument("--other-cores-limit", type=float, default=0.15)
     ap.add_argument("--out", default=None, help="also write the JSON result here")
     ap.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
@@ -190,11 +204,27 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.worker == "trl":
         return trl_worker(args)
+    # Here, not at the top: the TRL worker above runs this file where sage_jax is not installed.
+    from sage_jax.infra import provenance
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         work = Path(tmp)
         ours, prompt_ids = run_ours(args, work)
-        result = {"workload": "smollm2_gsm8k grpo", "sage_jax": ours}
+        result = {"workload": "smollm2_gsm8k grpo", "commit": provenance.commit(),
+                  "sage_jax": ours}
         print(json.dumps({"sage_jax": ours}), flush=True)
+        sides = ["sage_jax", "trl"]
+        if args.vllm_python:
+            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))
+            result["sage_jax_vllm"], _ = run_ours(
+                args, work, name="sage_jax_vllm", python=args.vllm_python, env=env,
+                extra=["rollout.engine=vllm"])
+            print(json.dumps({"sage_jax_vllm": result["sage_jax_vllm"]}), flush=True)
+            result["ratio_vllm_to_native"] = {
+                "median_step": round(result["sage_jax_vllm"]["median_step_s"]
+                                     / ours["median_step_s"], 3),
+                "peak_rss": round(result["sage_jax_vllm"]["peak_rss_mib"]
+                                  / ours["peak_rss_mib"], 3)}
+            sides.append("sage_jax_vllm")
         if args.trl_python:
             result["trl"] = run_trl(args, work, prompt_ids)
             print(json.dumps({"trl": result["trl"]}), flush=True)
@@ -204,7 +234,7 @@ def main(argv=None) -> None:
                 "peak_rss": round(ours["peak_rss_mib"] / t["peak_rss_mib"], 3)}
         else:
             result["trl"] = "skipped: no --trl-python"
-        for side in ("sage_jax", "trl"):
+        for side in sides:
             if isinstance(result[side], dict):
                 result[side]["contended"] = result[side]["other_cores"] > args.other_cores_limit
     print(json.dumps(result, indent=1))

@@ -5,8 +5,8 @@
 extra. `VllmSampler` runs vLLM's engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
 built from the run's Hugging Face model folder, and samples a call's answers with one seed per
 prompt (from the step, the prompt's id and the call's salt). `load` gives it the policy's
-weights: the export's tensors (`models.hf_tensors`, the names of model.safetensors) as numpy
-arrays, handed to the model's `load_weights`. Its log-probs are of the raw logits, as the native
+weights: the export's tensors (`models.hf_tensors`, the names of model.safetensors), handed over
+through DLPack (no host copy on a GPU) to vLLM's in-place reload. Its log-probs are of the raw logits, as the native
 sampler's. docs/running.md, "Rollouts with vLLM", says what is tested and what is left.
 """
 
@@ -78,6 +78,16 @@ def row_seed(step: int, prompt_id: int, salt: int) -> int:
     return zlib.crc32(f"{step}/{prompt_id}/{salt}".encode()) & 0x7FFFFFFF
 
 
+def _as_torch(t: jax.Array):
+    """`t` as a torch tensor over the same buffer (DLPack): on a GPU the weights reach vLLM
+    without a host copy. A sharded array is gathered onto one device first."""
+    import torch  # vLLM's own dependency: its weight loaders take torch tensors
+
+    if len(t.devices()) > 1:
+        t = jax.device_put(t, jax.local_devices()[0])
+    return torch.from_dlpack(t)
+
+
 def _repack_vocab_layers(model) -> int:
     """Re-runs the embedding's and the LM head's post-load processing: on CPU it packs their
     weights for oneDNN once at start-up and keeps the weight too, so the in-place reload leaves
@@ -122,10 +132,7 @@ class VllmSampler:
 
     def load(self, params: Any) -> None:
         """Gives the engine the policy's weights (the `nnx.State` of a `Decoder` of `dims`)."""
-        import torch  # vLLM's own dependency: its load_weights takes torch tensors
-
-        weights = [(name, torch.from_numpy(np.array(t, np.float32)))  # a writable copy
-                   for name, t in models.hf_tensors(self.dims, params).items()]
+        weights = [(name, _as_torch(t)) for name, t in models.hf_tensors(self.dims, params).items()]
         # vLLM's in-place reload: checkpoint-format tensors through each layer's weight loader,
         # then its post-load processing again (on CPU the linear weights are repacked for
         # oneDNN, which a bare `model.load_weights` after start-up cannot reach).
