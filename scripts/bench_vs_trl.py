@@ -194,7 +194,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-python", default=None,
                     help="a python with vLLM and sage_jax installed: also runs this library "
                          "with rollout.engine=vllm")
-    ap.add_argument("--vllm-kv-gib", type=float, default=1.0,
+    ap.add_argument("--vllm-kv-gib", type=int, default=1,
                     help="VLLM_CPU_KVCACHE_SPACE for that run (GiB of KV cache)")
     ap.add_argument("--other-cores-limit", type=float, default=0.15)
     ap.add_argument("--out", default=None, help="also write the JSON result here")
