@@ -140,7 +140,7 @@ class RLConfig(Section):
     # pi_old of the ratio: recomputed by the trainer before the update, or the sampler's own
     # log-probs (the same parameters, so equal up to float rounding; one forward pass less).
     # With loss_context=plain the trainer recomputes them anyway: hinted answers were sampled
-    # in another context.
+    # in another context; with rollout.engine=vllm too: the old log-probs are JAX's.
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
     # Sequence columns per chunk of logits in the update's log-probs (loss and recomputed
     # old log-probs); smaller: fewer [rows, chunk, vocab] float32 temporaries, the same values;

@@ -278,11 +278,12 @@ def _step(run: _Run, step: int) -> dict:
         host_memory.trim()  # what sampling freed, before the update's peak
         gap = ({} if run.engine is None else
                vllm_engine.logprob_gap(run.graphdef, run.state.params, ro, task.pad_id))
+        # The old log-probs are JAX's: another engine's are only compared with them (`gap`).
         batch = batching.update_batch(ro, run.step_fn.settings, padding_free=cfg.rl.padding_free,
                                       loss_context=cfg.rl.loss_context,
                                       adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
                                       sampler_logprobs=cfg.rl.old_logprobs == "sampler"
-                                      and cfg.rl.loss_context == "hinted")
+                                      and cfg.rl.loss_context == "hinted" and run.engine is None)
     with timer("update"):
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(

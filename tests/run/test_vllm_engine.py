@@ -15,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
+from flax import nnx
 
 from sage_jax import config, models, train
 from sage_jax.bench import workloads
 from sage_jax.core import grpo
 from sage_jax.rl import batching
+from sage_jax.rl.types import Rollout, Samples
 from sage_jax.run import vllm_engine
 
 needs_no_vllm = pytest.mark.skipif(vllm_engine.installed(),
@@ -44,6 +46,40 @@ def test_without_vllm_the_key_fails_in_one_line_naming_the_extra(tmp_path, capsy
     assert err[0].startswith("error: rollout.engine=vllm needs vLLM, which is not installed")
     assert "sage_jax[vllm]" in err[0] and "requirements-vllm.txt" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_logprob_gap_is_the_engines_distance_from_jax_over_first_answers():
+    """`logprob_gap` compares a rollout's sampled log-probs (here: each answer's own unpadded
+    full-forward log-probs plus a known offset, standing in for an engine's) with JAX's: its
+    mean and max are the offsets' over each prompt's first answer, wherever the answers sit in
+    the padded batch."""
+    cfg = models.DecoderConfig(family="llama", vocab_size=50, hidden_size=32,
+                               intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                               head_dim=8)
+    graphdef, params = models.split(models.Decoder(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    b, g, t = 3, 2, 7
+    prompts = [rng.integers(1, 50, n).tolist() for n in (4, 9, 6)]
+    lengths = rng.integers(1, t + 1, (b, g)).astype(np.int32)
+    tokens = rng.integers(1, 50, (b, g, t)).astype(np.int32)
+    jax_logp = np.zeros((b, g, t), np.float32)
+    for i in range(b):
+        for j in range(g):
+            seq = np.concatenate([prompts[i], tokens[i, j, :lengths[i, j]]])
+            full = np.asarray(grpo.token_logprobs(graphdef, params, jnp.asarray([seq]),
+                                                 jnp.ones((1, len(seq)), bool)))[0]
+            jax_logp[i, j, :lengths[i, j]] = full[len(prompts[i]):]
+    written = np.arange(t) < lengths[..., None]
+    offset = np.where(written, 1e-3 * np.arange(1, b * g * t + 1).reshape(b, g, t), 0.0)
+    ro = Rollout(prompts=prompts, plain_prompts=prompts,
+                 samples=Samples(tokens, lengths, (jax_logp + offset).astype(np.float32)),
+                 rewards=np.zeros((b, g), np.float32), level=np.zeros(b, np.int8),
+                 collapse=np.zeros(b, np.int8), round=np.zeros(b, np.int8), hints=[None] * b,
+                 texts=[[""] * g] * b, metrics={})
+    gap = vllm_engine.logprob_gap(graphdef, params, ro, pad_id=0)
+    first = offset[:, 0][written[:, 0]]
+    assert gap["rollout/logprob_diff_max"] == pytest.approx(first.max(), abs=1e-5)
+    assert gap["rollout/logprob_diff_mean"] == pytest.approx(first.mean(), abs=1e-5)
 
 
 # ---- the engine itself: slow, and only where vLLM is installed (requirements-vllm.txt; on a
