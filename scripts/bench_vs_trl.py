@@ -120,6 +120,33 @@ def run_trl(args, work: Path, prompt_ids: list[list[int]]) -> dict:
     return res
 
 
+def table(result: dict) -> str:
+    """The sitting as a markdown table: each side's median and per-step times, sampling and
+    update times, peak RSS and tokens sampled, and its median step over the native engine's."""
+    trl = result.get("trl")
+    trl_name = f"TRL {trl['versions']['trl']}" if isinstance(trl, dict) else "TRL"
+    sides = [(k, name) for k, name in (("sage_jax", "sage_jax, native sampler"),
+                                      ("sage_jax_vllm", "sage_jax, rollout.engine=vllm"),
+                                      ("trl", trl_name))
+             if isinstance(result.get(k), dict)]
+    native = result["sage_jax"]["median_step_s"]
+
+    def steps(xs):
+        return ", ".join(f"{x:.1f}" for x in xs)
+
+    lines = ["| | median step | / native | steps | sampling | update | peak RSS | tokens "
+             "sampled |", "|---|---|---|---|---|---|---|---|"]
+    for key, name in sides:
+        r = result[key]
+        lines.append(
+            f"| {name} | {r['median_step_s']:.1f} s | {r['median_step_s'] / native:.2f} | "
+            f"{steps(r['step_s'])} s | {steps(r['sample_s']) + ' s' if 'sample_s' in r else '-'}"
+            f" | {steps(r['update_s']) + ' s' if 'update_s' in r else '-'} | "
+            f"{r['peak_rss_mib']:,.0f} MiB | {min(r['tokens_sampled'])}-"
+            f"{max(r['tokens_sampled'])} |")
+    return "\n".join(lines)
+
+
 # ---- the TRL worker (runs under the TRL venv) --------------------------------------------------
 
 def last_boxed(text: str) -> str | None:
@@ -238,6 +265,7 @@ def main(argv=None) -> None:
             if isinstance(result[side], dict):
                 result[side]["contended"] = result[side]["other_cores"] > args.other_cores_limit
     print(json.dumps(result, indent=1))
+    print(table(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

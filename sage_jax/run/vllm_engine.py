@@ -6,8 +6,9 @@ extra. `VllmSampler` runs vLLM's engine in this process (`VLLM_ENABLE_V1_MULTIPR
 built from the run's Hugging Face model folder, and samples a call's answers with one seed per
 prompt (from the step, the prompt's id and the call's salt). `load` gives it the policy's
 weights: the export's tensors (`models.hf_tensors`, the names of model.safetensors), handed over
-through DLPack (no host copy on a GPU) to vLLM's in-place reload. Its log-probs are of the raw logits, as the native
-sampler's. docs/running.md, "Rollouts with vLLM", says what is tested and what is left.
+through DLPack (no host copy on a GPU) to vLLM's in-place reload. Its log-probs are of the raw
+logits, as the native sampler's; the update's old log-probs stay JAX's, and `logprob_gap`
+compares the two. docs/running.md, "Rollouts with vLLM", says what is tested and measured.
 """
 
 from __future__ import annotations

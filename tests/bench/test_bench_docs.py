@@ -1,9 +1,14 @@
 """docs/benchmarks.md quotes its sittings' results files (docs/bench/*.jsonl), not typed numbers."""
 
 import json
+import sys
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_vs_trl  # noqa: E402
 
 
 def test_the_real_sitting_of_2026_12_06_is_quoted_from_its_results_file():
@@ -19,3 +24,22 @@ def test_the_real_sitting_of_2026_12_06_is_quoted_from_its_results_file():
     assert f"decode waste {after['decode_waste']:.3f} in both" in text
     assert before["decode_waste"] == after["decode_waste"]
     assert not before["contended"] and not after["contended"]
+
+
+def test_the_engines_sitting_is_quoted_from_its_results_file():
+    """docs/running.md's table of the native engine, vLLM and TRL is `bench_vs_trl.table` of the
+    sitting's file, and the ratios in its prose are the file's."""
+    rec = json.loads((DOCS / "bench" / "grpo_engines_2026-12-06.json").read_text())
+    text = (DOCS / "running.md").read_text()
+    quoted = text.split("<!-- engines -->\n")[1].split("\n<!-- /engines -->")[0]
+    assert quoted == bench_vs_trl.table(rec)  # rerun bench_vs_trl.table when the file changes
+    assert all(not rec[k]["contended"] for k in ("sage_jax", "sage_jax_vllm", "trl"))
+    assert len(rec["commit"]) == 40  # the sitting's source is recorded
+    prose = " ".join(text.split())
+    v = rec["sage_jax_vllm"]
+    ratio = rec["ratio_vllm_to_native"]
+    assert f"With vLLM the median step is {ratio['median_step']:.2f} " in prose
+    assert f"by {max(v['logprob_diff_mean']):.1e} at most on average" in prose
+    assert f"by {max(v['logprob_diff_max']):.1e} at most on any token" in prose
+    assert f"peaked {ratio['peak_rss']:.2f}x as high" in prose
+    assert f"({rec['trl']['median_step_s'] / rec['sage_jax']['median_step_s']:.2f} of the" in prose
