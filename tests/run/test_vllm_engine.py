@@ -49,10 +49,10 @@ def test_without_vllm_the_key_fails_in_one_line_naming_the_extra(tmp_path, capsy
 
 
 def test_the_logprob_gap_is_the_engines_distance_from_jax_over_first_answers():
-    """`logprob_gap` compares a rollout's sampled log-probs (here: each answer's own unpadded
-    full-forward log-probs plus a known offset, standing in for an engine's) with JAX's: its
-    mean and max are the offsets' over each prompt's first answer, wherever the answers sit in
-    the padded batch."""
+    """`logprob_gap` compares a rollout's sampled log-probs (here: JAX's of each answer, alone in
+    a row, plus a known offset, standing in for an engine's) with JAX's: its mean and max are
+    the offsets' over each prompt's first answer, wherever the answers sit in the padded
+    batch."""
     cfg = models.DecoderConfig(family="llama", vocab_size=50, hidden_size=32,
                                intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                                head_dim=8)
@@ -63,12 +63,14 @@ def test_the_logprob_gap_is_the_engines_distance_from_jax_over_first_answers():
     lengths = rng.integers(1, t + 1, (b, g)).astype(np.int32)
     tokens = rng.integers(1, 50, (b, g, t)).astype(np.int32)
     jax_logp = np.zeros((b, g, t), np.float32)
+    width = max(len(p) for p in prompts) + t  # each answer alone, right-padded: one compile
     for i in range(b):
         for j in range(g):
             seq = np.concatenate([prompts[i], tokens[i, j, :lengths[i, j]]])
-            full = np.asarray(grpo.token_logprobs(graphdef, params, jnp.asarray([seq]),
-                                                 jnp.ones((1, len(seq)), bool)))[0]
-            jax_logp[i, j, :lengths[i, j]] = full[len(prompts[i]):]
+            row = np.pad(seq, (0, width - len(seq)))[None]
+            mask = jnp.asarray(np.arange(width) < len(seq))[None]
+            full = np.asarray(grpo.token_logprobs(graphdef, params, jnp.asarray(row), mask))[0]
+            jax_logp[i, j, :lengths[i, j]] = full[len(prompts[i]):len(seq)]
     written = np.arange(t) < lengths[..., None]
     offset = np.where(written, 1e-3 * np.arange(1, b * g * t + 1).reshape(b, g, t), 0.0)
     ro = Rollout(prompts=prompts, plain_prompts=prompts,
