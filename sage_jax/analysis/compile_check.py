@@ -100,6 +100,7 @@ class Program:
     bytes_per_call: int = 0  # per device, read and written by one call (roofline)
     calls: float = 1.0  # per step in the worst case (a decode segment: steps)
     roofline_s: float = 0.0  # per step, all its calls
+    kernels: int = 0  # Pallas decode-attention calls (`engine.decode_attention`) compiled in
     error: str | None = None  # the compiler's out-of-memory message
     compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False,
                                                              compare=False)
@@ -277,6 +278,8 @@ def compile_one(name: str, jitted, args, *, resident: int = 0, calls: float = 1.
     prog.argument, prog.output = mem.argument_size_in_bytes, mem.output_size_in_bytes
     prog.alias, prog.temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
     prog.bytes_per_call = prog.argument + prog.output - prog.alias
+    prog.kernels = sum("custom-call(" in line and "decode_attention_" in line
+                       for line in compiled.as_text().splitlines())
     prog.compiled = compiled
     return prog
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sage_jax.engine import placement
+from sage_jax.engine import decode_attention, placement
 from sage_jax.engine.select import is_eos, select
 from sage_jax.models.decoder import MASKED_SCORE, apply_rope, rope_inv_freq
 
@@ -122,6 +122,30 @@ def _attend(attn, queries, prompt_kv, prompt_mask_BxP, gen_kv, gen_valid_RxS, ne
     return o.transpose(0, 2, 1, 3, 4).reshape(r, attn.n * h)
 
 
+def _attend_live(impl, lay, attn, queries, prompt_kv, prompt_mask_BxP, gen_kv, slot_R, new_kv,
+                 g):
+    """`_attend` by `decode_attention`'s kernels: each row reads only its prompt's real columns
+    and its generated slots before `slot_R`; the new token's own score is added here."""
+    r = queries.shape[0]
+    b, kh, h = r // g, attn.k, attn.h
+    gq = attn.n // kh
+    (pk, pv), (gk, gv), (nk, nv) = prompt_kv, gen_kv, new_kv
+    p, s = pk.shape[-1], gk.shape[-1]
+    q = queries.reshape(b, g, kh, gq, h).transpose(0, 2, 1, 3, 4)  # [B, K, G, Gq, H]
+    real_B = jnp.sum(prompt_mask_BxP, axis=1, dtype=jnp.int32)
+    prompt = decode_attention.over_prompt(impl, lay, q.reshape(b, kh, g * gq, h), pk, pv,
+                                          p - real_B, jnp.full_like(real_B, p))
+    prompt = decode_attention.Partial(prompt.out.reshape(q.shape),
+                                      prompt.lse.reshape(q.shape[:-1]))
+    gen = decode_attention.over_rows(impl, lay, q, gk, gv, jnp.clip(slot_R, 0, s).reshape(b, g))
+    own = decode_attention.Partial(
+        jnp.broadcast_to(nv[:, :, :, None, :].astype(jnp.float32), q.shape),
+        jnp.einsum("bkgqh,bkgh->bkgq", q, nk.astype(q.dtype),
+                   preferred_element_type=jnp.float32) / math.sqrt(h))
+    o = decode_attention.combine(prompt, gen, own).astype(queries.dtype)
+    return o.transpose(0, 2, 1, 3, 4).reshape(r, attn.n * h)
+
+
 def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=None):
     """Feeds one token per row at positions pos_R; writes row r's K/V at its generated slot
     slot_R[r] (rows may be at different steps; a slot outside the cache is not written).
@@ -130,6 +154,9 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
     inv_freq = rope_inv_freq(model.cfg)
     s = gen_kv[0][1].shape[3]
     gen_valid_RxS = jnp.arange(s)[None, :] < slot_R[:, None]
+    impl = decode_attention.implementation(lay)
+    if not decode_attention.supports(impl, model.cfg.head_dim, prompt_mask_BxP.shape[1], s):
+        impl = "xla"
     x = placement.on(lay, model.embed_tokens[...][tok_R].astype(model.compute_dtype))
     r = x.shape[0]
     b = r // g
@@ -147,7 +174,11 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
         q = apply_rope(q, pos_R[:, None], inv_freq).reshape(r, attn.n * attn.h)
         k = apply_rope(k, pos_R[:, None], inv_freq).reshape(b, g, attn.k, attn.h)
         k = k.transpose(0, 2, 1, 3)  # [B, K, G, H]
-        a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_RxS, (k, v), g)
+        if impl == "xla":
+            a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_RxS, (k, v), g)
+        else:
+            a = _attend_live(impl, lay, attn, q, pkv, prompt_mask_BxP, (gk, gv), slot_R, (k, v),
+                             g)
         # The cache is written after it is read, and XLA must know it to write in place (else
         # it copies the whole cache every step): a zero that depends on the row's attention
         # output orders the write after the reads.

@@ -70,6 +70,8 @@ def test_every_program_compiles_for_tpu_within_budget(report):
         assert q.error is None, q.error
         assert 0 < q.peak and q.total <= BUDGET, (q.name, q.total)
         assert q.compiled is not None
+        # decode attention by the Pallas TPU kernel: prompt and generated columns, per layer
+        assert q.kernels == (2 * TINY["num_hidden_layers"] if "decode@" in q.name else 0), q
     train = r.programs[-1]
     assert train.argument >= r.state_bytes  # the state is an argument, donated
     assert train.alias > 0
@@ -286,6 +288,8 @@ def test_every_program_compiles_for_gpus_within_budget(gpu_python, tmp_path):
     assert progs["rollout/prefill"]["calls"] == 2 and progs["hint/prefill"]["calls"] == 1
     for p in rep["programs"]:
         assert p["error"] is None and 0 < p["peak"] and p["total"] <= BUDGET, p
+        # decode attention by the Pallas GPU (Triton) kernel: prompt and generated columns
+        assert p["kernels"] == (2 * TINY["num_hidden_layers"] if "decode@" in p["name"] else 0), p
     assert progs["train_step"]["alias"] > 0 and progs["train_step"]["flops"] > 0
 
 
