@@ -16,7 +16,11 @@ from sage_jax.engine import decode, placement
 from sage_jax.engine.sampling_plan import Knobs
 
 KINDS = ("prefill", "start", "segment", "empty", "admit", "regroup", "rows")
-MAX_PROGRAMS = 48  # compiled sampler programs the trainer keeps between steps (`drop`)
+# Compiled sampler programs the trainer keeps between steps (`drop`), counted in program-layers:
+# a decode program's code grows with the layers it unrolls, about 22 MB of host memory for one
+# of SmolLM2-135M's (30 layers), so 48 of those; a 4-layer model keeps 360.
+MAX_PROGRAM_LAYERS = 48 * 30
+MAX_PROGRAMS = 48  # `drop`'s default limit
 _CACHE: dict = {}  # (kind, graphdef, knobs, layout, extra) -> jitted function
 _UNHASHABLE: list = []  # [(key, jitted)] for graphdefs that cannot be hashed
 
@@ -73,6 +77,11 @@ def _all() -> list:
 def compiled() -> int:
     """Compiled sampler programs this process holds (every cached program's executables)."""
     return sum(fn._cache_size() for fn in _all())
+
+
+def budget(num_layers: int) -> int:
+    """The programs to keep between steps for a model of `num_layers` layers."""
+    return max(MAX_PROGRAMS, MAX_PROGRAM_LAYERS // max(num_layers, 1))
 
 
 def drop(limit: int = MAX_PROGRAMS) -> bool:

@@ -144,6 +144,7 @@ class _Run:
     eval_problems: dict[str, list[Problem]] | None
     last_saved: int = 0
     engine: vllm_engine.VllmSampler | None = None  # rollout.engine=vllm; None: the native sampler
+    programs_kept: int = programs.MAX_PROGRAMS  # compiled sampler programs kept between steps
 
     def save(self, step: int) -> None:
         if step != self.last_saved or self.ckpt.latest_step() is None:
@@ -241,7 +242,8 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 ckpt=ckpt,
                 step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
-                last_saved=start, engine=engine)
+                last_saved=start, engine=engine,
+                programs_kept=programs.budget(model.cfg.num_layers))
 
 
 def _resume_from(ckpt: checkpoint.Checkpointer, step: int | None, is_main: bool) -> None:
@@ -290,7 +292,7 @@ def _step(run: _Run, step: int) -> dict:
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
     with timer("host"):
-        programs.drop()  # prompt lengths not seen before compile more of them each step
+        programs.drop(run.programs_kept)  # new prompt lengths compile more of them
         host_memory.trim()
         run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
         if run.engine is not None:  # the updated policy samples the next step
