@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from sage_jax.infra import provenance
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.infra.phases import STEP, phase_medians, phase_table
 from sage_jax.run import loop
@@ -55,7 +56,8 @@ def main(argv=None) -> dict:
         f"{n} {r:.2f}x" for n, r in ratios.items())]) + "\n"
     (out / "phases.md").write_text(text)
     (out / "phases.json").write_text(json.dumps(
-        {"config": args.config, "steps": args.steps, "arms": args.arm,
+        {"commit": provenance.commit(), "config": args.config, "steps": args.steps,
+         "arms": args.arm,
          "overrides": args.overrides, "phases": cols, "ratio": ratios, "wall_s": wall},
         indent=1))
     print(text, flush=True)
