@@ -132,6 +132,16 @@ def _tpu_block(n: int) -> int:
     return next((b for b in TPU_BLOCKS if n % b == 0), n)
 
 
+def live_block(j, lo, hi, block: int, blocks: int):
+    """The block the TPU kernel's step j fetches for columns [lo, hi): j clamped to the live
+    blocks (and to the cache: an empty range names a block inside it). Outside the live blocks
+    it repeats a block index, which the pipeline does not fetch again."""
+    # lax.div (truncating; the same for the non-negative counts here): a floor division
+    # lowers through a sign op that Mosaic resolves on the default backend, not the target
+    first = jnp.minimum(jax.lax.div(lo, block), blocks - 1)
+    return jnp.clip(j, first, jnp.clip(jax.lax.div(hi - 1, block), first, blocks - 1))
+
+
 def _tpu(q, k, v, lo, hi, *, grouped: bool, interpret: bool) -> Partial:
     """q [B, K, (G,) M, H], k [B, K, (G,) H, S], v [B, K, (G,) S, H]; lo, hi [B] or [B, G]."""
     b, kh, h, s = q.shape[0], q.shape[1], q.shape[-1], k.shape[-1]
@@ -142,11 +152,7 @@ def _tpu(q, k, v, lo, hi, *, grouped: bool, interpret: bool) -> Partial:
     lo_f, hi_f = _flat_ranges(lo, hi)
 
     def live(i, j, lo_ref, hi_ref):
-        """Block j clamped to the row's live blocks: outside them it repeats a block index,
-        which the pipeline does not fetch again."""
-        first = lo_ref[i] // blk
-        last = jnp.maximum(hi_ref[i] - 1, lo_ref[i]) // blk
-        return jnp.clip(j, first, jnp.maximum(last, first))
+        return live_block(j, lo_ref[i], hi_ref[i], blk, nb)
 
     if grouped:
         grid = (b, g, nb)

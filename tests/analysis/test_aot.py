@@ -320,3 +320,39 @@ def test_the_fsdp_train_step_gathers_weights_not_rows():
     assert any(s.startswith("f32[64,") for s in moved), moved  # weights are gathered
     every_row = re.compile(rf"(f32|bf16)\[({rows * length}|{rows},{length})[,\]]")
     assert not [s for s in moved if every_row.match(s)], moved
+
+
+# The decode-attention kernels alone, at the paper configs' head shapes (KV heads, query heads
+# per KV head, head dim), 8 groups x 8 rows, 2048 prompt columns, 8192 generated slots, bf16.
+KERNEL_SHAPES = """
+import sys, jax, jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+from sage_jax.infra import hardware
+from sage_jax.engine import decode_attention as da
+dev = hardware.compile_devices(hardware.parse(sys.argv[1]))[0]
+impl, sh = da.PLATFORMS[dev.platform], SingleDeviceSharding(dev)
+arg = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=sh)
+b, g, p, s = 8, 8, 2048, 8192
+for name, (kh, gq, h) in {"qwen2.5-7b": (4, 7, 128), "qwen3-4b": (8, 4, 128),
+                          "llama3.2-3b": (8, 3, 128)}.items():
+    jax.jit(lambda q, k, v, lo, hi: da.over_prompt(impl, None, q, k, v, lo, hi)).trace(
+        arg(b, kh, g * gq, h), arg(b, kh, h, p), arg(b, kh, p, h), arg(b, dt=jnp.int32),
+        arg(b, dt=jnp.int32)).lower().compile()
+    jax.jit(lambda q, k, v, hi: da.over_rows(impl, None, q, k, v, hi)).trace(
+        arg(b, kh, g, gq, h), arg(b, kh, g, h, s), arg(b, kh, g, s, h),
+        arg(b, g, dt=jnp.int32)).lower().compile()
+    print(impl, name, "compiled", flush=True)
+"""
+
+
+def test_the_decode_kernels_compile_at_the_paper_head_shapes(gpu_python):
+    """Mosaic (v5e) and Triton (A100) compile both kernels for Qwen2.5-7B's 7, Qwen3-4B's 4
+    and Llama-3.2-3B's 3 query heads per KV head at 128 head dims and the paper's cache sizes."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    for python, topo, impl in ((sys.executable, "v5e:2x2", "tpu"),
+                               (gpu_python, "8xa100-80gb", "gpu")):
+        out = subprocess.run([python, "-c", KERNEL_SHAPES, topo], cwd=ROOT, capture_output=True,
+                             text=True, timeout=900, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split() == [w for m in ("qwen2.5-7b", "qwen3-4b", "llama3.2-3b")
+                                      for w in (impl, m, "compiled")], out.stdout
