@@ -9,6 +9,7 @@ DOCS = REPO / "docs"
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_vs_trl  # noqa: E402
+import step_cost  # noqa: E402
 
 
 def test_the_real_sitting_of_2026_12_06_is_quoted_from_its_results_file():
@@ -43,3 +44,17 @@ def test_the_engines_sitting_is_quoted_from_its_results_file():
     assert f"by {max(v['logprob_diff_max']):.1e} at most on any token" in prose
     assert f"peaked {ratio['peak_rss']:.2f}x as high" in prose
     assert f"({rec['trl']['median_step_s'] / rec['sage_jax']['median_step_s']:.2f} of the" in prose
+
+
+def test_the_sage_step_cost_sitting_is_quoted_from_its_results_file():
+    """docs/benchmarks.md's SAGE-over-GRPO table is `step_cost.table` of the sitting's record:
+    every arm of one commit and config, 60 steps, each seed with both arms."""
+    rec = json.loads((DOCS / "bench" / "sage_step_cost_2026-12-06.json").read_text())
+    text = (DOCS / "benchmarks.md").read_text()
+    quoted = text.split("<!-- step_cost -->\n")[1].split("\n<!-- /step_cost -->")[0]
+    assert quoted == step_cost.table(rec)  # rerun step_cost.table when the file changes
+    cells = [c for arms in rec["seeds"].values() for c in arms.values()]
+    assert len({c["commit"] for c in cells}) == 1 and len(cells[0]["commit"]) == 40
+    assert {c["steps"] for c in cells} == {60} and len({c["config"] for c in cells}) == 1
+    assert len(step_cost.ratios(rec, "sage-online")) >= 3
+    assert all("replaced" not in c for c in cells) and rec["replaced"]  # the contended arm, kept

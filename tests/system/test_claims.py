@@ -85,7 +85,9 @@ def test_readme_readings_and_job_numbers_come_from_results_files():
     claims = {s: (REPO / "docs" / s / "claims.md").read_text() for s in STUDIES}
     readme = (REPO / "README.md").read_text()
     toy = section(readme, "What it shows of the paper's claims", "## Train your own model")
-    assert unsourced(toy, *claims.values()) == set()
+    cost = section((REPO / "docs" / "benchmarks.md").read_text(), "<!-- step_cost -->",
+                   "<!-- /step_cost -->")  # the step-cost sitting (test_bench_docs.py)
+    assert unsourced(toy, *claims.values(), cost) == set()
     smol = section(readme, "After the warm start the model writes hints", "docs/smollm2_laptop.md")
     record = (REPO / "docs" / "smollm2_laptop.md").read_text()
     assert unsourced(smol, section(record, "SAGE − GRPO after RL, paired", "\n")) == set()
