@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from sage_jax.infra import cli
+from sage_jax.infra import cli, provenance
 from sage_jax import config as config_lib, models
 from sage_jax.analysis import compile_check
 from sage_jax.models.presets import PRESETS
@@ -76,7 +76,10 @@ def main(argv=None):
                                all_buckets=args.all_buckets, log=log,
                                only=tuple(args.only.split(",")))
         if args.json:
-            print(json.dumps(compile_check.to_json(report)))
+            record = compile_check.to_json(report)
+            record["argv"] = list(sys.argv[1:] if argv is None else argv)
+            record["provenance"] = provenance.record(config_lib.to_dict(cfg), cfg.train.seed)
+            print(json.dumps(record))
         else:
             print(compile_check.format_report(report))
         sys.stdout.flush()

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, Sharding
 from sage_jax.config import Config
 from sage_jax.infra import hardware, parallel
 from sage_jax import models
-from sage_jax.engine import decode, placement, programs, update
+from sage_jax.engine import decode, decode_attention, placement, programs, update
 from sage_jax.engine.sampling_plan import Knobs, SamplingPlan
 from sage_jax.engine.state import TrainState
 
@@ -101,6 +101,9 @@ class Program:
     calls: float = 1.0  # per step in the worst case (a decode segment: steps)
     roofline_s: float = 0.0  # per step, all its calls
     kernels: int = 0  # Pallas decode-attention calls (`engine.decode_attention`) compiled in
+    gen_cache_bytes: int = 0  # per device, a decode segment's generated-token caches
+    read_share: float = 1.0  # of the generated caches, the share a decode step reads (mean)
+    whole_bytes_per_call: int = 0  # per device, a decode step reading every cache slot
     error: str | None = None  # the compiler's out-of-memory message
     compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False,
                                                              compare=False)
@@ -362,8 +365,11 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
                            (params, state, _abstract((), jnp.int32, placement.replicated(rlay))),
                            resident=optimizer_bytes, calls=0.0)
         prog.bytes_per_call = prog.argument  # one step reads every weight and cache slot once
+        prog.gen_cache_bytes = device_bytes((state.gen_k, state.gen_v))
         progs.append(prog)
-    _decode_calls([q for q in progs if f"/decode@{r0}x" in q.name], plan.schedule)
+    impl = decode_attention.implementation(lay)
+    _decode_calls([q for q in progs if f"/decode@{r0}x" in q.name], plan.schedule,
+                  impl if any(q.kernels for q in progs) else "xla")
     # Regrouping, one layer at a time, the other layers' caches resident.
     last = max(plan.schedule)
     whole = device_bytes(decode_state(model_cfg, lay, r0 // g0, g0, p, last, dtype))
@@ -393,25 +399,36 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
     return progs
 
 
-def _decode_calls(progs: list[Program], steps: dict[int, int]) -> None:
+def _decode_calls(progs: list[Program], steps: dict[int, int], impl: str = "xla") -> None:
     """Spreads the decode steps of all rows over the compiled cache sizes: each step at slot
     size S costs the FLOPs and bytes of the compiled programs interpolated linearly in S (a
-    step reads the weights and S slots; attention is linear in S)."""
+    step reads the weights and S slots; attention is linear in S). With decode-attention
+    kernels (`impl` "tpu" / "gpu") step t reads only the t live slots of the generated caches,
+    in whole column blocks (`decode_attention.columns_read`); the prompt caches count whole
+    (the worst case: every prompt as long as the bucket)."""
     at = sorted((int(q.name.rsplit("x", 1)[1]), q) for q in progs)
     if not at:
         return
     (s0, q0), (s1, q1) = at[0], at[-1]
     for q in progs:
         q.calls = 0.0
-    flops = bytes_ = 0.0
-    for s, n in steps.items():
+    per_slot = q1.gen_cache_bytes / s1
+    flops = bytes_ = unread = 0.0
+    t = 1  # the schedule's steps in order: step t holds t generated tokens
+    for s, n in sorted(steps.items()):
         w = 0.0 if s1 == s0 else (s - s0) / (s1 - s0)
         flops += n * (q0.flops + w * (q1.flops - q0.flops))
         bytes_ += n * (q0.bytes_per_call + w * (q1.bytes_per_call - q0.bytes_per_call))
+        unread += per_slot * sum(s - decode_attention.columns_read(impl, u, s)
+                                 for u in range(t, t + n))
+        t += n
+    whole = per_slot * sum(s * n for s, n in steps.items())
+    q1.read_share = 1.0 - unread / whole if whole else 1.0
     total = sum(steps.values())
     # Booked on the largest program: `calls` steps of its size give the interpolated totals.
     q1.calls = total
-    q1.flops, q1.bytes_per_call = flops / max(total, 1), int(bytes_ / max(total, 1))
+    q1.flops, q1.bytes_per_call = flops / max(total, 1), int((bytes_ - unread) / max(total, 1))
+    q1.whole_bytes_per_call = int(bytes_ / max(total, 1))
 
 
 def check_run(cfg: Config, model_cfg: models.DecoderConfig, topology: str | None = None, *,
@@ -498,6 +515,9 @@ def format_report(r: Report) -> str:
         f"{r.optimizer_bytes / GIB:.2f}, resident while sampling); GiB below are per device",
         HEADER]
     lines += [format_row(q, r.chip) for q in r.programs]
+    lines += [f"{q.name}: {q.kernels} decode-attention kernel calls; a step reads "
+              f"{q.read_share:.0%} of the generated-token caches (no early EOS)"
+              for q in r.programs if q.kernels and q.calls]
     free = 1 - worst.total / r.hbm
     lines.append(
         f"largest: {worst.name} {worst.total / GIB:.2f} GiB of {r.hbm / GIB:.1f} GiB "

@@ -73,6 +73,20 @@ def supports(impl: str, head_dim: int, prompt_cols: int, slots: int) -> bool:
     return False
 
 
+def column_block(impl: str, n: int) -> int:
+    """The columns `impl` reads at a time from a cache of n columns (n: the XLA path, which
+    reads every column)."""
+    impl = impl.removesuffix(INTERPRET)
+    return _tpu_block(n) if impl == "tpu" else _gpu_block(n) if impl == "gpu" else n
+
+
+def columns_read(impl: str, live: int, n: int) -> int:
+    """Columns of an n-column cache that `impl` reads for a row with `live` live columns (from
+    its first): whole blocks up to the last live one."""
+    blk = column_block(impl, n)
+    return min(n, -(-live // blk) * blk)
+
+
 def combine(*parts: Partial) -> jax.Array:
     """The attention over the union of the parts' ranges (float32 [..., H])."""
     m = functools.reduce(jnp.maximum, [p.lse for p in parts])

@@ -129,6 +129,33 @@ def test_matmul_flops_multiply_loop_bodies():
     assert aot.matmul_flops(grad.jaxpr) == 2 * 5 * 2 * 4 * 16 * 8  # forward + d/dw
 
 
+def test_the_decode_roofline_counts_the_slots_a_kernel_reads():
+    """Without a kernel a decode step reads its whole generated cache; the TPU kernel reads
+    step t's t live slots in whole 512-column blocks. Two compiled cache sizes, 1024 and 2048
+    slots; 1 MiB of weights and 1 KiB per slot."""
+    def programs():
+        return [aot.Program(f"rollout/decode@8x{s}", bytes_per_call=2 ** 20 + 1024 * s,
+                            gen_cache_bytes=1024 * s, flops=1e6) for s in (1024, 2048)]
+
+    steps = {1024: 1024, 2048: 1023}  # steps 1..1024 with 1024 slots, 1025..2047 with 2048
+    whole = 1024 * (1024 * 1024 + 2048 * 1023)
+    for impl, slots_read in [
+            ("xla", 1024 * 1024 + 2048 * 1023),
+            # blocks of 512: steps 1..512 read 512, 513..1024 read 1024, 1025..1536 read 1536,
+            # 1537..2047 read 2048
+            ("tpu", 512 * 512 + 512 * 1024 + 512 * 1536 + 511 * 2048)]:
+        xs = programs()
+        aot._decode_calls(xs, steps, impl)
+        big = xs[1]
+        assert xs[0].calls == 0 and big.calls == 2047
+        assert big.bytes_per_call * 2047 == pytest.approx(2 ** 20 * 2047 + 1024 * slots_read,
+                                                          rel=1e-6)
+        assert big.read_share == pytest.approx(1024 * slots_read / whole)
+        assert big.whole_bytes_per_call * 2047 == pytest.approx(2 ** 20 * 2047 + whole, rel=1e-6)
+        assert big.flops == pytest.approx(1e6)
+    assert big.read_share < 0.85  # the TPU kernel reads about a fifth less here
+
+
 def test_topology_names():
     t = hardware.parse("v5p-16")
     assert (t.chip.name, t.chips, t.tpu_name) == ("v5p", 8, "v5p:2x2x2")
