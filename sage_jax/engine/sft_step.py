@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 
 from sage_jax.config import OptimConfig
+from sage_jax.core import grpo
 from sage_jax.engine import update
 from sage_jax.models import decoder as dec
 
@@ -63,17 +64,23 @@ def make_batch(pairs: Sequence[Pair], *, pad_id: int, bucket: int = 32,
 
 # ---- loss and step --------------------------------------------------------------------------
 
-def next_token_logprobs(graphdef, params, tokens_BxT):
+def next_token_logprobs(graphdef, params, tokens_BxT, *, chunk: int | None = None):
     """[B, T-1] float32: column t is log p(tokens[t+1] | tokens[<=t]) (one column shorter than
-    the tokens; `core.grpo.token_logprobs` instead aligns column t with token t)."""
+    the tokens; `core.grpo.token_logprobs` instead aligns column t with token t). `chunk`: the
+    logits made that many columns at a time (`grpo.logprobs_from_hidden`), else all at once."""
+    if chunk is not None:
+        model = nnx.merge(graphdef, params)
+        need_BxT = jnp.ones(tokens_BxT.shape, bool)
+        return grpo.logprobs_from_hidden(model.logits, model.hidden(tokens_BxT), tokens_BxT,
+                                         need_BxT, chunk=chunk)[0][:, 1:]
     logits = dec.apply(graphdef, params, tokens_BxT[:, :-1])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
 
 
-def sft_loss(graphdef, params, tokens_BxT, mask_BxTm1):
+def sft_loss(graphdef, params, tokens_BxT, mask_BxTm1, *, chunk: int | None = None):
     """Mean negative log-likelihood over the answer tokens of the batch."""
-    lp = next_token_logprobs(graphdef, params, tokens_BxT)
+    lp = next_token_logprobs(graphdef, params, tokens_BxT, chunk=chunk)
     m = mask_BxTm1.astype(jnp.float32)
     return -(lp * m).sum() / jnp.maximum(m.sum(), 1.0)
 
@@ -93,11 +100,13 @@ def make_optimizer(lr: float, *, warmup: int = 50, weight_decay: float = 0.01,
     return update.make_optimizer(cfg, steps)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation):
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
+                    chunk: int | None = None):
     """jit(params, opt_state, tokens, mask) -> (params, opt_state, loss)."""
 
     def step(params, opt_state, tokens, mask):
-        loss, grads = jax.value_and_grad(lambda p: sft_loss(graphdef, p, tokens, mask))(params)
+        loss, grads = jax.value_and_grad(
+            lambda p: sft_loss(graphdef, p, tokens, mask, chunk=chunk))(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -125,7 +134,8 @@ def train_sft(model: nnx.Module, examples: Sequence[Pair] | Callable[[np.random.
               schedule: Schedule = "constant", sort_pool: int = 8,
               eval_every: int = 0, eval_fn: Callable[[nnx.Module], dict] | None = None,
               stop_fn: Callable[[dict], bool] | None = None, log_every: int = 50,
-              progress: Callable[[str], None] | None = None) -> tuple[nnx.Module, SFTResult]:
+              progress: Callable[[str], None] | None = None,
+              logprob_chunk: int | None = None) -> tuple[nnx.Module, SFTResult]:
     """Trains `model` in place on (prompt, answer) pairs and returns it with an `SFTResult`.
 
     `examples` is a list of pairs (batches are drawn from it with replacement, seeded) or a
@@ -136,7 +146,9 @@ def train_sft(model: nnx.Module, examples: Sequence[Pair] | Callable[[np.random.
 
     Batches are cut from a pool of `sort_pool` batches sorted by length (then visited in random
     order), so rows of a batch have similar lengths and little padding; lengths are rounded up to
-    a multiple of `bucket`, which bounds the number of compiled step shapes.
+    a multiple of `bucket`, which bounds the number of compiled step shapes. `logprob_chunk`:
+    the loss's logits made that many columns at a time (less memory; the model's own remat
+    setting decides whether its layers are recomputed in the backward pass).
     """
     say = progress or log.info
     rng = np.random.default_rng([seed, 17])
@@ -151,7 +163,7 @@ def train_sft(model: nnx.Module, examples: Sequence[Pair] | Callable[[np.random.
     optimizer = make_optimizer(lr, warmup=warmup, weight_decay=weight_decay, clip=clip,
                                schedule=schedule, steps=steps)
     opt_state = optimizer.init(params)
-    train_step = make_train_step(graphdef, optimizer)
+    train_step = make_train_step(graphdef, optimizer, chunk=logprob_chunk)
     losses: list[float] = []
     evals: list[tuple[int, dict]] = []
     stopped = False

@@ -46,6 +46,23 @@ def test_sft_loss_ignores_prompt_and_padding():
 
 
 @pytest.mark.slow
+def test_the_loss_in_column_chunks_equals_the_whole_one():
+    """`logprob_chunk`: the logits made a few columns at a time (the update's
+    `grpo.logprobs_from_hidden`) give the same log-probs, loss and gradient."""
+    g, p = nnx.split(_tiny())
+    tokens, mask = sft.make_batch([([1, 5, 6], [7, 2]), ([1, 9], [3, 4, 8, 2])], pad_id=0,
+                                  bucket=12)
+    whole = np.asarray(sft.next_token_logprobs(g, p, tokens))
+    grad = jax.grad(lambda q: sft.sft_loss(g, q, tokens, mask))(p)
+    for chunk in (5, 32):  # chunks that split the row, and one wider than it
+        np.testing.assert_allclose(sft.next_token_logprobs(g, p, tokens, chunk=chunk), whole,
+                                   rtol=1e-5, atol=1e-6)
+        chunked = jax.grad(lambda q: sft.sft_loss(g, q, tokens, mask, chunk=chunk))(p)
+        for x, y in zip(jax.tree.leaves(chunked), jax.tree.leaves(grad)):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_train_sft_reduces_loss_and_stops_early():
     task = toy.ToyTask()
     pairs = toy.sft_examples(64, task=task, spec=toy.ToySpec(1, 2), seed=0)
