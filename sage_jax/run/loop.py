@@ -292,7 +292,8 @@ def _step(run: _Run, step: int) -> dict:
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
     with timer("host"):
-        programs.drop(run.programs_kept)  # new prompt lengths compile more of them
+        held = programs.compiled()  # new prompt lengths compile more of them
+        dropped = programs.drop(run.programs_kept)
         host_memory.trim()
         run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
         if run.engine is not None:  # the updated policy samples the next step
@@ -303,6 +304,7 @@ def _step(run: _Run, step: int) -> dict:
     metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics, **gap,
                **{k: float(v) for k, v in upd.items()}, **timer.metrics(),
                "time/step_s": elapsed, "tokens/sampled": sampler.generated_tokens,
+               "programs/held": held, "programs/dropped": int(dropped),
                "throughput/tokens_per_s": sampler.generated_tokens / elapsed}
     if run.eval_problems and (step + 1) % cfg.eval.every == 0:
         metrics.update(run_eval(cfg, run.graphdef, run.state.params, task, run.eval_problems,

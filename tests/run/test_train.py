@@ -25,7 +25,8 @@ TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
 
 REQUIRED = ["step", "reward/mean", "response/mean_length", "response/clipped_frac", "loss",
             "grad_norm", "clip/frac_low", "clip/frac_high", "entropy", "time/step_s",
-            "time/sample_s", "time/reward_s", "time/update_s", "throughput/tokens_per_s"]
+            "time/sample_s", "time/reward_s", "time/update_s", "throughput/tokens_per_s",
+            "programs/held", "programs/dropped"]
 SAGE = ["collapse/frac_all_zero", "collapse/frac_all_one", "collapse/frac_all_zero_after",
         "hint/prompts_needing_hint", "hint/write_failed", "hint/used_level_1",
         "hint/used_level_2", "hint/used_level_3", "hint/rescued", "hint/acc_level_0",
