@@ -29,6 +29,11 @@ from sage_jax.tasks.words.prompts import WordsTask
 DESIGN_VERSION = 1  # bump when the prompts, the problems or the SFT recipe change
 WARMUP_STEPS = 10
 SFT_BUCKET = 64  # rows padded to a multiple of 64 tokens: a few compiled step shapes
+# Each layer recomputed in the backward pass and the loss's logits made 64 columns at a time:
+# six SFT steps of SmolLM2-135M (batches of 8) peaked at 4,465 MiB instead of 10,556, in
+# 250 s instead of 215 s, with the same losses (2026-12-06).
+SFT_REMAT = True
+SFT_LOGPROB_CHUNK = 64
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
 
@@ -114,14 +119,15 @@ def train_warm_start(cfg, out: str | Path, *, progress=print) -> Path:
     task = WordsTask(models.Tokenizer(base))
     progress(f"warm start: SFT of {base} on word problems ({w.sft_steps} steps of "
              f"{w.sft_batch_size}); saved in {out}")
-    model = models.from_hf(base)
+    model = models.from_hf(base, remat=SFT_REMAT)
     examples = lambda rng, n: sft_examples(  # noqa: E731
         task, rng, n, max_steps=w.max_steps, write_share=w.sft_write_share,
         hinted_share=w.sft_hinted_share)
     model, result = sft.train_sft(model, examples, steps=w.sft_steps,
                                   batch_size=w.sft_batch_size, lr=w.sft_lr, seed=w.sft_seed,
                                   pad_id=task.pad_id, bucket=SFT_BUCKET, warmup=WARMUP_STEPS,
-                                  log_every=10, progress=progress)
+                                  log_every=10, progress=progress,
+                                  logprob_chunk=SFT_LOGPROB_CHUNK)
     out = Path(out)
     models.to_hf(model, out)
     for name in TOKENIZER_FILES:
