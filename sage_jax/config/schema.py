@@ -146,6 +146,11 @@ class RLConfig(Section):
     # old log-probs); smaller: fewer [rows, chunk, vocab] float32 temporaries, the same values;
     # None = all columns at once.
     logprob_chunk: int | None = 256
+    # Compiled sampler programs the trainer keeps between steps; past it, it drops them all (the
+    # next step compiles or reloads what it needs). More: fewer recompiles, more host memory
+    # (about 22 MB a program for a 30-layer 135M model). None = `engine.programs.budget` of
+    # the model's layers (48 for 30 layers).
+    programs_kept: int | None = None
 
     @property
     def hinted(self) -> bool:
@@ -169,6 +174,8 @@ class RLConfig(Section):
         require(self.logprob_chunk is None or self.logprob_chunk >= 1, "logprob_chunk",
                 self.logprob_chunk, "must be >= 1, or null for all columns at once")
         require(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
+        require(self.programs_kept is None or self.programs_kept >= 0, "programs_kept",
+                self.programs_kept, "must be >= 0, or null for the model's default")
         require(self.micro_batch_size is None or self.micro_batch_size >= 1,
                  "micro_batch_size", self.micro_batch_size, "must be >= 1, or null for all")
         require(self.rollout_micro_batch_size is None

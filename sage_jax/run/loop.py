@@ -243,7 +243,8 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
                 last_saved=start, engine=engine,
-                programs_kept=programs.budget(model.cfg.num_layers))
+                programs_kept=(programs.budget(model.cfg.num_layers)
+                               if cfg.rl.programs_kept is None else cfg.rl.programs_kept))
 
 
 def _resume_from(ckpt: checkpoint.Checkpointer, step: int | None, is_main: bool) -> None:

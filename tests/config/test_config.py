@@ -122,6 +122,7 @@ def test_unknown_yaml_keys(tmp_path):
     (["rl.micro_batch_size=x"], ["'rl.micro_batch_size'", "expected int or null"]),
     (["rl.clip_low=-0.1"], ["'rl.clip_low'", "[0, 1)"]),
     (["rl.logprob_chunk=0"], ["'rl.logprob_chunk'", "must be >= 1, or null"]),
+    (["rl.programs_kept=-1"], ["'rl.programs_kept'", "must be >= 0, or null"]),
     (["hint.escalation=eager"], ["'hint.escalation'", "'sequential', 'speculative'"]),
     (["hint.low=0.5"], ["'hint.high'", "[low, 1]"]),
     (["eval.benchmarks=[1]"], ["'eval.benchmarks[0]'", "expected str"]),

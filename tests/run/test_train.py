@@ -43,8 +43,13 @@ def cfg(*overrides):
 def test_each_method_runs_and_writes_metrics(tmp_path, method):
     evals = (["eval.every=2", "eval.k=2", "eval.limit=4", "eval.max_new_tokens=16"]
              if method == "grpo" else [])
-    loop.train(cfg(f"rl.method={method}", "train.steps=2", *evals), tmp_path)
+    # rl.programs_kept=0: the sampler's programs are dropped after every step (the toy's
+    # default keeps 360)
+    kept = ["rl.programs_kept=0"] if method == "resample" else []
+    loop.train(cfg(f"rl.method={method}", "train.steps=2", *evals, *kept), tmp_path)
     rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(r["programs/held"] > 0 for r in rows)
+    assert [r["programs/dropped"] for r in rows] == [1 if kept else 0] * 2
     if evals:  # in-training validation, no hints
         assert "eval/toy/avg@2" in rows[1] and "eval/toy/avg@2" not in rows[0]
     assert [r["step"] for r in rows] == [1, 2]

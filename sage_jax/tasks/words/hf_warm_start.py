@@ -31,7 +31,7 @@ WARMUP_STEPS = 10
 SFT_BUCKET = 64  # rows padded to a multiple of 64 tokens: a few compiled step shapes
 # Each layer recomputed in the backward pass and the loss's logits made 64 columns at a time:
 # six SFT steps of SmolLM2-135M (batches of 8) peaked at 4,465 MiB instead of 10,556, in
-# 250 s instead of 215 s, with the same losses (2026-12-06).
+# 250 s instead of 215 s, losses within 1e-6 (docs/bench/words_sft_memory_2026-12-06.json).
 SFT_REMAT = True
 SFT_LOGPROB_CHUNK = 64
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
