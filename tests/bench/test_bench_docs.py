@@ -58,3 +58,33 @@ def test_the_sage_step_cost_sitting_is_quoted_from_its_results_file():
     assert {c["steps"] for c in cells} == {60} and len({c["config"] for c in cells}) == 1
     assert len(step_cost.ratios(rec, "sage-online")) >= 3
     assert all("replaced" not in c for c in cells) and rec["replaced"]  # the contended arm, kept
+
+
+def test_the_word_problem_measurements_are_quoted_from_their_results_files():
+    """docs/smollm2_laptop.md's issue-49 section: the recipe's first run, the warm start's memory
+    and the SAGE-over-GRPO table of the word problems, each from its file."""
+    text = (DOCS / "smollm2_laptop.md").read_text()
+    prose = " ".join(text.split())
+    steps = json.loads((DOCS / "bench" / "words_step_cost_2026-12-06.json").read_text())
+    quoted = text.split("<!-- words_step_cost -->\n")[1].split("\n<!-- /words_step_cost -->")[0]
+    assert quoted == step_cost.table(steps)  # rerun step_cost.table when the file changes
+    cells = steps["seeds"]["0"]
+    assert {c["steps"] for c in cells.values()} == {12} and len(cells["grpo"]["commit"]) == 40
+    assert {b["steps"] for b in steps["before"]} == {12} and len(steps["before"]) == 2
+
+    def held(key):
+        return ", ".join(f"{r['programs/held']}{'*' if r['programs/dropped'] else ''}"
+                         for r in steps[key]["sage-online"])
+
+    assert f"were {held('per_step_before')} (* dropped)" in prose
+    assert f"keeps 160: held {held('per_step')}, never dropped" in prose
+    assert not any(r["programs/dropped"] for r in steps["per_step"]["sage-online"])
+    recipe = json.loads((DOCS / "bench" / "words_recipe_2026-12-06.json").read_text())
+    assert f"spent {recipe['warm_start_sft_s']:.0f} s on the warm start's 80 SFT steps" in prose
+    assert f"{recipe['peak_rss_mib']['sft']:,.0f} MiB at its peak" in prose
+    sft = json.loads((DOCS / "bench" / "words_sft_memory_2026-12-06.json").read_text())
+    before, after = sft["runs"]
+    assert after["remat"] and after["chunk"] == 64 and not before["remat"]
+    assert max(abs(x - y) for x, y in zip(before["losses"], after["losses"])) < 1e-5
+    assert (f"peak RSS {before['peak_rss_mib']:,.0f} MiB before, {after['peak_rss_mib']:,.0f} "
+            f"MiB after") in prose
