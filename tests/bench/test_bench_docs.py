@@ -88,3 +88,16 @@ def test_the_word_problem_measurements_are_quoted_from_their_results_files():
     assert max(abs(x - y) for x, y in zip(before["losses"], after["losses"])) < 1e-5
     assert (f"peak RSS {before['peak_rss_mib']:,.0f} MiB before, {after['peak_rss_mib']:,.0f} "
             f"MiB after") in prose
+
+
+def test_the_toy_arm_pair_rerun_is_quoted_from_its_results_file():
+    """The rerun of one toy_tail arm pair after the step-cost levers equals the study's runs."""
+    rec = json.loads((DOCS / "bench" / "toy_pair_rerun_2026-12-06.json").read_text())
+    prose = " ".join((DOCS / "benchmarks.md").read_text().split())
+    grpo, sage = rec["arms"]["grpo"], rec["arms"]["sage-online"]
+    for arm in (grpo, sage):
+        assert arm["rerun"] == arm["study"] and len(arm["commit"]) == 40
+    assert (f"rerun at {grpo['commit'][:7]} gives the study's held-out accuracies exactly" in prose)
+    assert (f"{grpo['rerun']['split']['all']:.3f} and {sage['rerun']['split']['all']:.3f} on all "
+            f"held-out problems, {grpo['rerun']['split']['hard']:.3f} and "
+            f"{sage['rerun']['split']['hard']:.3f} on the hard split") in prose
