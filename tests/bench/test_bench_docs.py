@@ -8,6 +8,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 sys.path.insert(0, str(REPO / "scripts"))
 
+import aot_decode  # noqa: E402
 import bench_vs_trl  # noqa: E402
 import step_cost  # noqa: E402
 
@@ -101,3 +102,22 @@ def test_the_toy_arm_pair_rerun_is_quoted_from_its_results_file():
     assert (f"{grpo['rerun']['split']['all']:.3f} and {sage['rerun']['split']['all']:.3f} on all "
             f"held-out problems, {grpo['rerun']['split']['hard']:.3f} and "
             f"{sage['rerun']['split']['hard']:.3f} on the hard split") in prose
+
+
+def test_the_7b_rollout_with_kernels_is_quoted_from_its_record():
+    """docs/benchmarks.md's decode table is `aot_decode.table` of the committed aot record, and
+    its memory sentence is the record's."""
+    recs = [json.loads((DOCS / "aot" / f"paper_qwen2.5-7b_{t}_rollout.json").read_text())
+            for t in ("v5p-16", "8xa100-80gb")]
+    text = (DOCS / "benchmarks.md").read_text()
+    quoted = text.split("<!-- aot_decode -->\n")[1].split("\n<!-- /aot_decode -->")[0]
+    assert quoted == aot_decode.table(recs)
+    tpu, gpu = (next(q for q in r["programs"] if q["name"] == "rollout/decode@512x8192")
+                for r in recs)
+    for r, big in zip(recs, (tpu, gpu)):
+        assert r["provenance"]["commit"].startswith("2ea6308") and "--only" in r["argv"]
+        assert big["kernels"] > 0 and big["read_share"] < 1
+    prose = " ".join(text.split())
+    assert f"to {tpu['temp'] / 2 ** 30:.2f} GiB, about the size" in prose
+    assert f"caches ({tpu['output'] / 2 ** 30:.2f} GiB)" in prose
+    assert f"({gpu['temp'] / 2 ** 30:.2f} GiB; {gpu['total'] / 2 ** 30:.2f} of 60 GiB)" in prose
