@@ -160,8 +160,6 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
     x = placement.on(lay, model.embed_tokens[...][tok_R].astype(model.compute_dtype))
     r = x.shape[0]
     b = r // g
-    b_R, g_R = jnp.arange(r) // g, jnp.arange(r) % g
-    at_R = jnp.where((slot_R >= 0) & (slot_R < s), slot_R, s)  # s: dropped
     new_gen = []
     for layer, pkv, (gk, gv) in zip(model.layers, prompt_kv, gen_kv):
         attn = layer.self_attn
@@ -182,11 +180,9 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
         # The cache is written after it is read, and XLA must know it to write in place (else
         # it copies the whole cache every step): a zero that depends on the row's attention
         # output orders the write after the reads.
-        after = 0.0 * a[:, :1, None]  # [R, 1, 1]
-        row = lambda x: x.transpose(0, 2, 1, 3).reshape(r, attn.k, attn.h)  # noqa: E731
-        gk = gk.at[b_R, :, g_R, :, at_R].set((row(k) + after).astype(gk.dtype), mode="drop")
-        gv = gv.at[b_R, :, g_R, at_R, :].set((row(v) + after).astype(gv.dtype), mode="drop")
-        new_gen.append((gk, gv))
+        after = 0.0 * a[:, :1].reshape(b, 1, g, 1)
+        new_gen.append(decode_attention.write_rows(impl, lay, gk, gv, k + after, v + after,
+                                                   slot_R.reshape(b, g)))
         x = x + attn.o_proj(a)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return (placement.on(lay, model.logits(model.norm(x))),

@@ -14,6 +14,12 @@ Both return a `Partial`: the attention output over that range, normalised, float
 log-sum-exp (`MASKED_SCORE` over an empty range), which `combine` merges with other ranges
 exactly as one softmax over their union would.
 
+`write_rows(k_BxKxGxHxS, v_BxKxGxSxH, nk_BxKxGxH, nv_BxKxGxH, at_BxG)` writes each row's new
+key and value at its own slot (a slot outside the cache: not written), in place. On TPU a
+kernel rewrites the one column block that holds the slot: XLA's scatter would make TPU layout
+assignment pick a scatter-friendly layout for the decode loop's caches and copy all of them
+into it at every call (a temporary as large as the generated caches).
+
 Kernels, chosen by the platform in one place (`implementation`):
 * "tpu" (Mosaic): a grid over (group, column block); each block's index map clamps to the
   group's live blocks, so a block outside them is neither fetched (the pipeline skips a
@@ -113,6 +119,27 @@ def over_rows(impl: str, lay, q_BxKxGxQxH, k_BxKxGxHxS, v_BxKxGxSxH, hi_BxG) -> 
         q_BxKxGxQxH, k_BxKxGxHxS, v_BxKxGxSxH, lo_BxG, hi_BxG.astype(jnp.int32))
 
 
+def write_rows(impl: str, lay, k_BxKxGxHxS, v_BxKxGxSxH, nk_BxKxGxH, nv_BxKxGxH, at_BxG
+               ) -> tuple[jax.Array, jax.Array]:
+    """The caches with row (b, g)'s new key/value at slot at_BxG[b, g] (not written where the
+    slot is outside [0, S))."""
+    if impl.removesuffix(INTERPRET) != "tpu":
+        b, kh, g, h, s = k_BxKxGxHxS.shape
+        b_R, g_R = jnp.arange(b * g) // g, jnp.arange(b * g) % g
+        at_R = at_BxG.reshape(-1)
+        at_R = jnp.where((at_R >= 0) & (at_R < s), at_R, s)  # s: dropped
+        row = lambda x: x.transpose(0, 2, 1, 3).reshape(b * g, kh, h)  # noqa: E731
+        return (k_BxKxGxHxS.at[b_R, :, g_R, :, at_R].set(row(nk_BxKxGxH).astype(
+                    k_BxKxGxHxS.dtype), mode="drop"),
+                v_BxKxGxSxH.at[b_R, :, g_R, at_R, :].set(row(nv_BxKxGxH).astype(
+                    v_BxKxGxSxH.dtype), mode="drop"))
+    run = functools.partial(_tpu_write, interpret=impl.endswith(INTERPRET))
+    spec = _spec(lay)
+    return _placed(lay, run, (spec, spec, spec, spec, _rows(lay)), out_specs=(spec, spec))(
+        k_BxKxGxHxS, v_BxKxGxSxH, nk_BxKxGxH.astype(k_BxKxGxHxS.dtype),
+        nv_BxKxGxH.astype(v_BxKxGxSxH.dtype), at_BxG.astype(jnp.int32))
+
+
 def _kernel(impl: str, grouped: bool):
     base = impl.removesuffix(INTERPRET)
     return functools.partial(_KERNELS[base], grouped=grouped, interpret=base != impl)
@@ -126,12 +153,13 @@ def _rows(lay):
     return None if lay is None else P(lay.rows)
 
 
-def _placed(lay, run, in_specs):
+def _placed(lay, run, in_specs, out_specs=None):
     """`run` on each device's rows and KV heads (a kernel is not split by the SPMD partitioner
     itself: without this it would gather the caches onto every device)."""
     if lay is None:
         return run
-    return jax.shard_map(run, mesh=lay.mesh, in_specs=in_specs, out_specs=_spec(lay),
+    return jax.shard_map(run, mesh=lay.mesh, in_specs=in_specs,
+                         out_specs=_spec(lay) if out_specs is None else out_specs,
                          check_vma=False)
 
 
@@ -243,6 +271,47 @@ def _tpu(q, k, v, lo, hi, *, grouped: bool, interpret: bool) -> Partial:
         compiler_params=pltpu.CompilerParams(dimension_semantics=sem),
         interpret=interpret, name="decode_attention_tpu")(lo_f, hi_f, q, k, v)
     return Partial(o, lse[..., 0])
+
+
+WRITE_BLOCK = 128  # the columns (keys) or rows (values) a TPU cache write rewrites
+
+
+def _tpu_write(k, v, nk, nv, at, *, interpret: bool):
+    """k [B, K, G, H, S], v [B, K, G, S, H], nk/nv [B, K, G, H], at [B, G]: each grid step
+    (b, g) reads the block of WRITE_BLOCK slots that holds its slot, sets the slot, writes the
+    block back; the caches are the outputs' buffers (aliased), so no other block moves."""
+    b, kh, g, h, s = k.shape
+    blk = WRITE_BLOCK if s % WRITE_BLOCK == 0 else s  # a lane-aligned block, or all
+    nb = s // blk
+    at_f = at.reshape(-1)
+
+    def block(bi, gi, at_ref):  # an outside slot names the last block, left as it was
+        return jnp.clip(jax.lax.div(at_ref[bi * g + gi], blk), 0, nb - 1)
+
+    kspec = pl.BlockSpec((None, kh, None, h, blk),
+                         lambda bi, gi, a: (bi, 0, gi, 0, block(bi, gi, a)))
+    vspec = pl.BlockSpec((None, kh, None, blk, h),
+                         lambda bi, gi, a: (bi, 0, gi, block(bi, gi, a), 0))
+    nspec = pl.BlockSpec((None, kh, None, 1, h), lambda bi, gi, a: (bi, 0, gi, 0, 0))
+
+    def kernel(at_ref, nk_ref, nv_ref, k_ref, v_ref, k_out, v_out):
+        r = pl.program_id(0) * g + pl.program_id(1)
+        col = at_ref[r] - block(pl.program_id(0), pl.program_id(1), at_ref) * blk
+        kcol = jax.lax.broadcasted_iota(jnp.int32, (kh, h, blk), 2) == col
+        vrow = jax.lax.broadcasted_iota(jnp.int32, (kh, blk, h), 1) == col
+        k_out[...] = jnp.where(kcol, jnp.swapaxes(nk_ref[...], 1, 2), k_ref[...])
+        v_out[...] = jnp.where(vrow, nv_ref[...], v_ref[...])
+
+    return pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
+                           jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(b, g), in_specs=[nspec, nspec, kspec, vspec],
+            out_specs=[kspec, vspec]),
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret, name="decode_cache_write_tpu")(
+            at_f, nk[:, :, :, None, :], nv[:, :, :, None, :], k, v)
 
 
 # ---- GPU (Triton) ----------------------------------------------------------------------------

@@ -78,6 +78,27 @@ def test_every_program_compiles_for_tpu_within_budget(report):
     aot.check_fits(r, aot.HEADROOM)
 
 
+def test_the_tpu_decode_loop_keeps_its_caches_in_place():
+    """The 7B's attention shapes (4 KV heads over tensor 2, 7 query heads each, head dim 128),
+    512 rows of 2,048 generated slots on v5p-16, one layer and small weights so the caches
+    dominate: the decode program's temporaries stay far below its generated caches. (Written
+    by a scatter, the caches took a scatter-friendly TPU layout and the program copied them
+    all at every call: temporaries of 0.26 GiB against 0.25 GiB of caches.)"""
+    dims = models.DecoderConfig.from_hf_dict({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 1024,
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+        "eos_token_id": 1})
+    cfg = registry.load_config("paper_qwen2.5-7b", ["rl.max_new_tokens=2048",
+                                                    "data.max_prompt_tokens=256"])
+    r = aot.check_run(cfg, dims, "v5p-16", only=("rollout",))
+    (q,) = [q for q in r.programs if q.name == "rollout/decode@512x2048"]
+    assert q.error is None and q.kernels == 2, q
+    assert q.gen_cache_bytes >= 2 ** 28  # 0.25 GiB a chip
+    assert q.temp < q.gen_cache_bytes / 4, (q.temp, q.gen_cache_bytes)
+
+
 def test_compiled_shardings_follow_the_partition_rules(report):
     """The train step's state and the decode segment's weights and KV cache are sharded in
     the compiled programs as `parallel.PARTITION_RULES` and `placement` say."""

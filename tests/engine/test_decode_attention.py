@@ -87,6 +87,33 @@ def test_the_tpu_kernel_fetches_only_live_blocks_inside_the_cache():
                 a, b, got[a, b])
 
 
+@pytest.mark.parametrize("s", [384, 96])
+def test_the_tpu_cache_write_equals_the_scatter(s):
+    """Each row's new key/value lands at its own slot, in its own block (first, last, inside,
+    a block's edges), rows with a slot outside the cache write nothing, and nothing else in
+    the cache changes; at 96 slots the write block is the whole cache."""
+    b, g, kh, h = 3, 4, 2, 16
+    ks = jax.random.split(jax.random.PRNGKey(4), 4)
+    k = jax.random.normal(ks[0], (b, kh, g, h, s))
+    v = jax.random.normal(ks[1], (b, kh, g, s, h))
+    nk, nv = (jax.random.normal(x, (b, kh, g, h)) for x in ks[2:])
+    at = jnp.array([0, 1, 31, 32, 127, 128, 129, s - 1, s, -1, s + 7, 64]).reshape(b, g)
+    want = decode_attention.write_rows("xla", None, k, v, nk, nv, at)
+    got = jax.jit(lambda *a: decode_attention.write_rows("tpu-interpret", None, *a))(
+        k, v, nk, nv, at)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(want[0]), np.asarray(k))  # something was written
+    np.testing.assert_array_equal(np.asarray(want[0])[0, :, 0, :, 0], np.asarray(nk)[0, :, 0])
+    np.testing.assert_array_equal(np.asarray(want[1])[1, :, 3, s - 1], np.asarray(nv)[1, :, 3])
+    unwritten = np.ones((b, g, s), bool)
+    for i, a in enumerate(np.asarray(at).ravel()):
+        if 0 <= a < s:
+            unwritten[i // g, i % g, a] = False
+    np.testing.assert_array_equal(np.asarray(got[0]).transpose(0, 2, 4, 1, 3)[unwritten],
+                                  np.asarray(k).transpose(0, 2, 4, 1, 3)[unwritten])
+
+
 def test_the_implementation_is_chosen_by_platform():
     """CPU programs use the XLA path; TPU and GPU programs the kernels, where they take the
     shapes (Triton's dot: head dim and column blocks powers of two >= 16)."""
