@@ -15,7 +15,8 @@ right-padded to a `sampling_plan.length_bucket` as the trainer's batches are, th
 (prompt + answer) tokens, "padding_share" is the share of the token slots the update computes
 that are padding, "padded_share" that of the right-padded batch.
 
-Settings (environment): SAGE_JAX_BENCH_MICRO rows per micro-batch (16), SAGE_JAX_BENCH_CHUNK
+Settings (environment): SAGE_JAX_BENCH_MICRO rows per micro-batch (16; 4 on the real workloads,
+whose packed 16-row micro-batch asked for 27 GB on the 24 GiB machine), SAGE_JAX_BENCH_CHUNK
 sequence columns per logits chunk (64), SAGE_JAX_BENCH_REMAT_LOGITS recompute chunk logits in the
 backward pass (1, the library default), SAGE_JAX_BENCH_PADDING_FREE pack the rows (1).
 """
@@ -35,7 +36,7 @@ from sage_jax.infra import parallel
 from sage_jax.bench import protocol, random_model, real, workloads
 from sage_jax.engine import packing, sampling, sampling_plan, update
 
-MICRO_BATCH = int(os.environ.get("SAGE_JAX_BENCH_MICRO", "16"))  # rows per micro-batch
+MICRO_BATCH = os.environ.get("SAGE_JAX_BENCH_MICRO")  # rows per micro-batch (None: by workload)
 CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
 REMAT = os.environ.get("SAGE_JAX_BENCH_REMAT_LOGITS", "1") == "1"  # recompute chunk logits
 PADDING_FREE = os.environ.get("SAGE_JAX_BENCH_PADDING_FREE", "1") == "1"  # pack the rows
@@ -106,7 +107,7 @@ def run(args) -> None:
     model, tokens, mask, loss_mask = (_real_rows if is_real else _synthetic_rows)(
         w, args.data_dir)
     (rows, seq), t = tokens.shape, s["max_new_tokens"]
-    micro = min(MICRO_BATCH, rows)
+    micro = min(int(MICRO_BATCH) if MICRO_BATCH else 4 if is_real else 16, rows)
     group = max(2, s["samples_per_prompt"])  # (the step itself takes the advantages as given)
     cfg = config_lib.Config(
         model=config_lib.ModelConfig(dtype="float32", compute_dtype="float32", remat=False),

@@ -10,6 +10,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import aot_decode  # noqa: E402
 import bench_vs_trl  # noqa: E402
+import sitting_table  # noqa: E402
 import step_cost  # noqa: E402
 
 
@@ -132,3 +133,27 @@ def test_the_paper_rollouts_with_kernels_are_quoted_from_their_records():
     assert f"to {old['temp'] / 2 ** 30:.2f} GiB: the decode loop" in prose
     assert (f"back to {new['temp'] / 2 ** 30:.2f} GiB of temporaries "
             f"({new['total'] / 2 ** 30:.2f} GiB per chip in all;") in prose
+
+
+def test_the_real_and_real_rl_sitting_is_quoted_from_its_results_file():
+    """docs/benchmarks.md's engine and profile tables are `sitting_table`'s of the sitting's file,
+    and the numbers in its prose are the file's."""
+    rec = json.loads((DOCS / "bench" / "real_sitting_2026-12-06.json").read_text())
+    text = (DOCS / "benchmarks.md").read_text()
+    block = lambda tag: text.split(f"<!-- {tag} -->\n")[1].split(f"\n<!-- /{tag} -->")[0]  # noqa
+    assert block("real_sitting") == sitting_table.table(rec)
+    assert block("real_profile") == sitting_table.profile_table(rec)
+    assert len(rec["commit"]) == 40 and "bench_vs_peers.sh real" in rec["command"]
+    ours, vllm = ({r["peer"]: r for r in rec[w]} for w in ("real", "real_rl"))
+    assert not any(r["contended"] for w in ("real", "real_rl") for r in rec[w])
+    assert len({r["lengths_sha1"] for r in rec["real"]}) == 1
+    (real, real_v), (rl, rl_v) = ((d["sage_jax"], d["vllm-cpu"]) for d in (ours, vllm))
+    prose = " ".join(text.split())
+    assert f"a worktree at {rec['commit'][:7]}" in prose
+    assert abs(rl["mean_len"] / rl_v["mean_len"] - 1) < 0.02  # "mean lengths within 2%"
+    assert round(real["tokens_per_s"] / real_v["tokens_per_s"], 1) == 0.5  # "about half"
+    assert round(rl["tokens_per_s"] / rl_v["tokens_per_s"] * 3) == 2  # "two thirds"
+    assert f"the peak RSS on `real` is {real['peak_rss_mb']:,.0f} MB" in prose
+    cores = sorted(r["cpu_during_timed"]["own_cores"] for r in (real, rl))
+    assert f"({cores[0]:.2f}-{cores[1]:.2f} of 2, against vLLM's " in prose
+    assert f"against vLLM's {real_v['cpu_during_timed']['own_cores']:.1f})" in prose
