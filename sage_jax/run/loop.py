@@ -102,7 +102,9 @@ def sample_records(ro: Rollout, examples: Sequence[Example], task: Task, limit: 
 
 
 class _Stop:
-    """SIGINT/SIGTERM: finish the current step, save a checkpoint, exit cleanly."""
+    """SIGINT/SIGTERM: finish the current step, save a checkpoint, exit cleanly. A handler the
+    caller installed (a Python function) is called too, so a caller running several trainings
+    learns of the stop."""
 
     def __init__(self):
         self.requested = False
@@ -119,6 +121,9 @@ class _Stop:
         self.requested = True
         print(f"\nsignal {signum}: saving a checkpoint after this step, then exiting",
               file=sys.stderr, flush=True)
+        caller = self._old.get(signum)
+        if callable(caller) and caller is not signal.default_int_handler:
+            caller(signum, frame)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

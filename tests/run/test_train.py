@@ -1,9 +1,12 @@
 """The trainer end to end on the toy task: every method, metrics, exact resume, crash safety."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +295,21 @@ def test_sage_resamples_hinted_groups_with_the_real_sampler(tmp_path):
     assert len(hinted) == unresolved  # all 4 prompts are logged
     for s in hinted:  # a hinted group trains on the hinted context
         assert s["hint"] and s["hint"] in s["prompt"]
+
+
+def test_a_stop_signal_also_reaches_a_handler_the_caller_installed():
+    """A caller that runs several trainings (the study runner) learns of a SIGTERM that the
+    loop turned into a checkpoint and a clean return; Ctrl-C's default handler is not called."""
+    seen = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with loop._Stop() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        assert stop.requested and seen == [signal.SIGTERM]
+        with loop._Stop() as stop:  # the default SIGINT handler would raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+        assert stop.requested
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -6,12 +6,16 @@ boxed answer format on problems of every length, answers that go on from a hint,
 writing, one level per request (the first l steps of a reference solution, plain text). The
 result is cached as a Hugging Face folder (weights, config and the base model's tokenizer
 files) under `task.words.cache_dir` (default $SAGE_JAX_CACHE or ~/.cache/sage_jax), keyed by
-the base model and every setting that shapes the warm start.
+everything that shapes its weights: the base model's files, the settings, the code it runs
+through, the numeric libraries' versions and XLA_FLAGS (`warm_start_settings`).
+`weights_sha256(folder)` identifies the weights a run started from.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -21,6 +25,7 @@ import numpy as np
 
 from sage_jax import models
 from sage_jax.engine import sft_step as sft
+from sage_jax.infra import provenance
 from sage_jax.models.hf_io import check_model_dir
 from sage_jax.tasks.words import problems as wp
 from sage_jax.tasks.words.words_config import WordsConfig
@@ -34,6 +39,9 @@ SFT_BUCKET = 64  # rows padded to a multiple of 64 tokens: a few compiled step s
 # 250 s instead of 215 s, losses within 1e-6 (docs/bench/words_sft_memory_2026-12-06.json).
 SFT_REMAT = True
 SFT_LOGPROB_CHUNK = 64
+# The libraries whose version can change the warm start's numbers or its tokens.
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "transformers", "tokenizers",
+             "safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
 
@@ -68,26 +76,74 @@ def cache_root(cfg) -> Path:
     return Path(root).expanduser()
 
 
+@functools.cache
+def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes (remembered per path, size and modification time)."""
+    st = path.stat()
+    return _file_sha256(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+def weights_sha256(folder: str | Path) -> str:
+    """sha256 over a Hugging Face folder's safetensors files (names and bytes)."""
+    h = hashlib.sha256()
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .safetensors file")
+    for f in files:
+        h.update(f.name.encode() + b"\0" + file_sha256(f).encode() + b"\0")
+    return h.hexdigest()
+
+
 def _base_identity(path: Path) -> dict:
     """What identifies the base model: its config (less the fields that name where it was
-    converted from or with which transformers) and the size of every weights file."""
+    converted from or with which transformers), its weights' and tokenizer files' bytes."""
     config = json.loads((path / "config.json").read_text())
     return {"config": {k: v for k, v in config.items()
                        if not k.startswith("_") and k != "transformers_version"},
-            "weights": sorted([f.name, f.stat().st_size] for f in path.glob("*.safetensors"))}
+            "weights": weights_sha256(path),
+            "tokenizer": {n: file_sha256(path / n) for n in TOKENIZER_FILES
+                          if (path / n).is_file()}}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def warm_start_settings(cfg) -> dict:
+    """Everything that shapes the warm start's weights (its cache key)."""
     w = cfg.task.section(WordsConfig)
     return {"design": DESIGN_VERSION, "base": _base_identity(Path(cfg.model.path).expanduser()),
             "sft_steps": w.sft_steps, "batch_size": w.sft_batch_size, "lr": w.sft_lr,
             "seed": w.sft_seed, "max_steps": w.max_steps, "write_share": w.sft_write_share,
-            "hinted_share": w.sft_hinted_share, "warmup": WARMUP_STEPS, "bucket": SFT_BUCKET}
+            "hinted_share": w.sft_hinted_share, "warmup": WARMUP_STEPS, "bucket": SFT_BUCKET,
+            "remat": SFT_REMAT, "logprob_chunk": SFT_LOGPROB_CHUNK,
+            "code": provenance.source_digest(__name__),
+            "libraries": {n: _version(n) for n in LIBRARIES},
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def cache_path(cfg) -> Path:
     blob = json.dumps(warm_start_settings(cfg), sort_keys=True, default=str).encode()
     return cache_root(cfg) / f"words_sft-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def warm_start_folder(cfg) -> Path:
+    """The Hugging Face folder the run starts from: the cached warm start, or model.path itself
+    when task.words.sft_steps is 0."""
+    if cfg.task.section(WordsConfig).sft_steps == 0:
+        return check_model_dir(Path(cfg.model.path).expanduser())
+    return cache_path(cfg)
 
 
 def warm_started_model(cfg, *, dtype=None, compute_dtype=None, progress=print):
