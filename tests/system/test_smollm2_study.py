@@ -195,3 +195,41 @@ def test_the_study_stops_on_sigterm_resumes_and_reports_when_complete(tiny_qwen,
     third = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert third.returncode == 0 and "finished in" not in third.stdout  # nothing retrained
     assert (out / "README.md").read_text() in third.stdout
+
+
+def test_the_amendment_states_the_design_and_the_power_the_code_computes():
+    text = (REPO / study.REGISTRATION).read_text()
+    amendment = text[text.index("## Amendment of 2026-12-07"):]
+    design = study.load_design(REPO / study.DESIGN)
+    assert f"Arms: {', '.join(f'`{a}`' for a in design['arms'])}." in amendment
+    assert f"Seeds 0-{max(design['seeds'])}" in amendment and design["seeds"] == list(range(5))
+    assert (f"{design['eval']['per_length'] * 6} held-out problems "
+            f"({design['eval']['per_length']} per length 1-6), "
+            f"**{design['eval']['samples']} samples each**") in amendment
+    assert f"at most {design['contended_cores']} cores" in amendment
+    pin = amendment.split("**Pinned commit: `")[1].split("`")[0]
+    assert len(pin) == 40
+    assert f"git worktree add ../sage-smollm2-study {pin}" in amendment
+    assert f"--pin {pin}" in amendment
+    at_pin = subprocess.run(["git", "-C", str(REPO), "show", f"{pin}:{study.DESIGN}"],
+                            capture_output=True, text=True)
+    if at_pin.returncode == 0:  # a checkout with history: the design is the pinned one
+        assert json.loads(at_pin.stdout) == design
+    rows = []
+    for seed_sd in (0.0060, 0.0100, 0.0200):
+        p = study.power(pilot_se=0.020, pilot_samples=4, seed_sd=seed_sd,
+                        seeds=len(design["seeds"]), samples=design["eval"]["samples"])
+        rows.append(f"| {seed_sd:.4f} | {p['sd']:.4f} | {p['half_width']:.3f} | {p['mde']:.3f} |")
+        if seed_sd == 0.0060:
+            assert (f"per-seed SD {p['sd']:.4f}, **expected 95 % half-width "
+                    f"{p['half_width']:.3f}**, minimum\n  detectable effect **{p['mde']:.3f}**"
+                    ) in amendment
+            assert f"At 8 samples\n  that is {p['eval_sd']:.4f}." in amendment
+            assert p["half_width"] <= 0.02
+    assert "\n".join(rows) in amendment
+
+
+def test_the_assumed_training_sd_is_the_toy_studys():
+    runs = json.loads((REPO / "docs/toy_tail/results.json").read_text())["runs"]
+    d = study_claims.paired(runs, *study.PRIMARY, "all")
+    assert len(d) == 5 and f"{np.std(d, ddof=1):.4f}" == "0.0060"
