@@ -133,6 +133,26 @@ def test_accuracy_by_split_separates_the_hard_split():
     assert np.isnan(none["hard"]) and none["rest"] == 0.5
 
 
+def test_the_summary_says_whether_the_run_moved_the_hard_split():
+    problems = [toy.ToyProblem(d, (("+", 7), ("-", 2)), 9) for d in range(4)]
+    problems.append(toy.ToyProblem(1, (("+", 3), ("-", 2)), 9))  # not hard: not counted
+    before = np.asarray([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    flat = toy_job.hard_split_change((problems, before), (problems, before.copy()), (7,))
+    assert flat == {"diff": 0.0, "se": 0.0, "problems": 4}
+    assert toy_job.hard_split_line(flat, 20).startswith("**20 RL steps did not move it**")
+    noisy = np.asarray([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    change = toy_job.hard_split_change((problems, before), (problems, noisy), (7,))
+    d = np.asarray([0.5, 0.0, 0.0, 0.0])
+    assert change["diff"] == 0.125 and change["se"] == d.std(ddof=1) / 2
+    assert "did not move it" in toy_job.hard_split_line(change, 20)  # 0.125 ± 0.245
+    up = np.asarray([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    raised = toy_job.hard_split_change((problems, before), (problems, up), (7,))
+    line = toy_job.hard_split_line(raised, 60)
+    assert line.startswith("**60 RL steps raised it**: hard-split pass rate after − before "
+                           "+0.875 ± ") and "its 4 problems" in line
+    assert "docs/toy_tail/" in line
+
+
 def test_hard_split_job_writes_one_level_per_request_and_reports_the_split(tmp_path, capsys):
     """configs/toy_tail.yaml's options, shrunk: its own warm start, one-level hint requests
     written by the policy during RL, and the summary's hard-split table."""
@@ -149,4 +169,6 @@ def test_hard_split_job_writes_one_level_per_request_and_reports_the_split(tmp_p
     split = json.loads((run / "eval_by_split.json").read_text())
     for acc in split.values():
         assert acc["hard_problems"] > 0 and acc["rest_problems"] > 0
-    assert "## Hard split (operands [7])" in (run / "summary.md").read_text()
+    summary = (run / "summary.md").read_text()
+    assert "## Hard split (operands [7])" in summary
+    assert "hard-split pass rate after − before" in summary and "docs/toy_tail/" in summary
