@@ -51,19 +51,43 @@ def _cpu_jiffies() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def _session_cpu(sid: int) -> dict[int, int]:
+    """{pid: user + system jiffies} of the live processes of session `sid`, from /proc."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(fields[3]) == sid:  # fields after the command: state, ppid, pgrp, session, ...
+            out[int(stat.parent.name)] = int(fields[11]) + int(fields[12])
+    return out
+
+
 def run_child(cmd: list[str], log: Path, env=None) -> dict:
-    """Runs `cmd` to the end (output to `log`); its wall time, peak RSS and the cores that other
-    processes used meanwhile (whole-machine busy time minus the child's own CPU time)."""
+    """Runs `cmd` to the end (output to `log`) in a session of its own; its wall time, peak
+    RSS and the cores that other processes used meanwhile: whole-machine busy time minus the
+    CPU time of the child and every process it started (its session, read from /proc every
+    quarter second, so worker processes count as its own)."""
     busy0, _ = _cpu_jiffies()
     t0 = time.time()
+    seen: dict[int, int] = {}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            seen.update(_session_cpu(proc.pid))
+            time.sleep(0.25)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     wall = time.time() - t0
     busy1, _ = _cpu_jiffies()
     hz = os.sysconf("SC_CLK_TCK")
-    own = usage.ru_utime + usage.ru_stime
+    # the child's rusage holds the children it reaped, the session's sum those still running
+    # when last seen (a forkserver's workers, say): the larger is the least the tree used
+    own = max(usage.ru_utime + usage.ru_stime, sum(seen.values()) / hz)
     other = max(0.0, (busy1 - busy0) / hz - own) / wall
     code = proc.returncode
     if code != 0:

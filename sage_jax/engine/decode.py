@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sage_jax.engine import decode_attention, placement
+from sage_jax.engine import cpu_attention, decode_attention, placement
 from sage_jax.engine.select import is_eos, select
 from sage_jax.models.decoder import MASKED_SCORE, apply_rope, rope_inv_freq
 
@@ -152,26 +152,37 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
 
     Returns (float32 logits [R, V], updated generated-token cache)."""
     inv_freq = rope_inv_freq(model.cfg)
-    s = gen_kv[0][1].shape[3]
+    p, s = prompt_mask_BxP.shape[1], gen_kv[0][1].shape[3]
     gen_valid_RxS = jnp.arange(s)[None, :] < slot_R[:, None]
     impl = decode_attention.implementation(lay)
-    if not decode_attention.supports(impl, model.cfg.head_dim, prompt_mask_BxP.shape[1], s):
+    if not decode_attention.supports(impl, model.cfg.head_dim, p, s,
+                                     (model.compute_dtype, gen_kv[0][0].dtype)):
         impl = "xla"
     x = placement.on(lay, model.embed_tokens[...][tok_R].astype(model.compute_dtype))
     r = x.shape[0]
     b = r // g
+    lo_B = p - jnp.sum(prompt_mask_BxP, axis=1, dtype=jnp.int32)  # left-padded prompts
     new_gen = []
     for layer, pkv, (gk, gv) in zip(model.layers, prompt_kv, gen_kv):
         attn = layer.self_attn
         hid = layer.input_layernorm(x)
         q = attn.q_proj(hid).reshape(r, 1, attn.n, attn.h)
         k = attn.k_proj(hid).reshape(r, 1, attn.k, attn.h)
-        v = attn.v_proj(hid).reshape(b, g, attn.k, attn.h).transpose(0, 2, 1, 3)
+        v = attn.v_proj(hid).reshape(b, g, attn.k, attn.h)
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = apply_rope(q, pos_R[:, None], inv_freq).reshape(r, attn.n * attn.h)
         k = apply_rope(k, pos_R[:, None], inv_freq).reshape(b, g, attn.k, attn.h)
-        k = k.transpose(0, 2, 1, 3)  # [B, K, G, H]
+        if impl == "cpu":  # the kernel reads live columns and writes the cache in place
+            pk, pv = pkv
+            a, gk, gv = cpu_attention.attend(lay, q.reshape(b, g, attn.k, -1), pk, pv, lo_B, gk,
+                                             gv, k, v, slot_R.reshape(b, g))
+            new_gen.append((gk, gv))
+            a = a.reshape(r, attn.n * attn.h).astype(x.dtype)
+            x = x + attn.o_proj(a)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            continue
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, G, H]
         if impl == "xla":
             a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_RxS, (k, v), g)
         else:

@@ -1,4 +1,5 @@
-"""Decode attention that reads only each row's live keys and values (Pallas, TPU and GPU).
+"""Decode attention that reads only each row's live keys and values (Pallas on TPU and GPU, C++
+on CPU).
 
 A decode step attends from one new token per row over keys/values in the decode state's layout
 (`decode.DecodeState`: keys transposed, [.., H, S], values [.., S, H]); the caches are padded
@@ -25,7 +26,9 @@ Kernels, chosen by the platform in one place (`implementation`):
   group's live blocks, so a block outside them is neither fetched (the pipeline skips a
   repeated block index) nor computed; an online softmax accumulates in VMEM.
 * "gpu" (Triton): one program per group, looping over its live blocks only.
-* "xla": no kernel (the caller's einsum path); CPU, and shapes the kernels do not take.
+* "cpu": the C++ kernel of `cpu_attention` (an XLA FFI call; float32, where it was built), which
+  also writes the cache; `decode._step` calls it directly.
+* "xla": no kernel (the caller's einsum path); shapes and dtypes the kernels do not take.
 "tpu-interpret" and "gpu-interpret" run the same kernels in Pallas interpret mode (on CPU: the
 equality tests); `python -m sage_jax.aot` compiles them for TPU and GPU topologies.
 """
@@ -43,13 +46,13 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
-from sage_jax.engine import placement
+from sage_jax.engine import cpu_attention, placement
 from sage_jax.models.decoder import MASKED_SCORE
 
 TPU_BLOCKS = (512, 256, 128)  # column blocks (lane-aligned); a cache of other size is one block
 GPU_BLOCK = 128  # the largest column block; smaller powers of two (>= GPU_MIN) divide other sizes
 GPU_MIN = 16  # Triton's dot needs every dimension >= 16 (and a power of two)
-PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
+PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "cpu": "cpu"}
 INTERPRET = "-interpret"  # an implementation's name with this suffix: Pallas interpret mode
 
 
@@ -68,11 +71,14 @@ def implementation(lay: placement.Layout | None) -> str:
     return PLATFORMS.get(platform, "xla")
 
 
-def supports(impl: str, head_dim: int, prompt_cols: int, slots: int) -> bool:
-    """Whether `impl`'s kernels take these cache sizes (else the XLA path runs)."""
+def supports(impl: str, head_dim: int, prompt_cols: int, slots: int, dtypes=()) -> bool:
+    """Whether `impl`'s kernels take these cache sizes (and compute and cache `dtypes`: the CPU
+    kernel is float32 only, and runs only where it was built), else the XLA path runs."""
     impl = impl.removesuffix(INTERPRET)
     if impl == "tpu":
         return True
+    if impl == "cpu":
+        return cpu_attention.supports(dtypes)
     if impl == "gpu":
         return all(_gpu_block(n) >= GPU_MIN for n in (prompt_cols, slots)) and (
             head_dim >= GPU_MIN and head_dim & (head_dim - 1) == 0)

@@ -115,9 +115,10 @@ def test_the_tpu_cache_write_equals_the_scatter(s):
 
 
 def test_the_implementation_is_chosen_by_platform():
-    """CPU programs use the XLA path; TPU and GPU programs the kernels, where they take the
-    shapes (Triton's dot: head dim and column blocks powers of two >= 16)."""
-    assert decode_attention.implementation(None) == "xla"  # the tests' CPU backend
+    """TPU and GPU programs use the Pallas kernels, where they take the shapes (Triton's dot:
+    head dim and column blocks powers of two >= 16); CPU ones the C++ kernel
+    (tests/engine/test_cpu_attention.py)."""
+    assert decode_attention.implementation(None) == "cpu"  # the tests' CPU backend
     assert decode_attention.supports("tpu", 64, 24, 96)
     assert decode_attention.supports("gpu", 64, 48, 96)
     assert not decode_attention.supports("gpu", 64, 24, 96)  # 24 = 8 x 3: blocks of 8
@@ -144,6 +145,7 @@ def test_sampling_with_a_kernel_equals_the_xla_path(impl, monkeypatch):
     kw = dict(max_new_tokens=40, num_samples=2, temperature=1.0, eos_token_id=(3, 5),
               max_rows=4, key=jax.random.PRNGKey(3),
               mesh=parallel.make_mesh(MeshConfig(2, 2, 2), jax.devices()[:8]))
+    monkeypatch.setattr(decode_attention, "implementation", lambda lay: "xla")
     programs.drop(0)
     want = sampling.generate(model, prompts, **kw)
     monkeypatch.setattr(decode_attention, "implementation", lambda lay: impl)

@@ -44,6 +44,7 @@ def installed(tmp_path_factory):
     assert "sage_jax/configs/toy.yaml" in names
     assert "sage_jax/tasks/toy/toy_sft/model.safetensors" in names
     assert "sage_jax/tasks/toy/toy_tail_sft/model.safetensors" in names
+    assert "sage_jax/engine/cpu_attention.cc" in names  # built on first use, from the wheel
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -75,9 +76,12 @@ def test_the_default_job_runs_to_its_summary_from_an_installed_wheel(installed):
     got = _run(installed, "sage_jax.train", "--workdir", "run", "train.steps=2",
                "task.toy.calibrate_per_length=1", "task.toy.eval_per_length=1",
                "task.toy.eval_samples=1", "rl.prompts_per_step=2", "rl.group_size=2",
-               "eval.every=0", "train.samples_every=0")
+               "eval.every=0", "train.samples_every=0",
+               SAGE_JAX_KERNEL_CACHE=str(installed[1].parent / "kernels"))
     assert got.returncode == 0, got.stderr[-3000:]
     assert "warm start: the shipped SFT model" in got.stdout
+    assert "CPU decode attention: C++ kernel" in got.stdout  # built from the wheel's source
+    assert list((installed[1].parent / "kernels").glob("cpu_attention-*.so"))
     run = installed[1] / "run"
     assert (run / "checkpoints" / "2").is_dir()
     assert (run / "metrics.jsonl").read_text().count("\n") == 2
