@@ -117,6 +117,41 @@ def timed(fn, x0, gen) -> tuple[list[float], tuple]:
     return out, gen
 
 
+def summary(rec: dict, ab: dict) -> str:
+    """docs/benchmarks.md's lines on the kernel, from its record (`rec`: the micro-benchmark and
+    the `real` sampler lines) and the toy A/B sittings (`ab`)."""
+    m, (k, x) = rec["micro"], rec["real"]
+    sh = m["shapes"]
+
+    def kernel_over_before(s: dict) -> str:
+        res = s["result"]
+        if s["a"]["commit"] == s["kernel_commit"]:  # the kernel side ran first: invert B/A
+            return (f"{1 / res['ratio']:.3f} ({1 / res['ci95'][1]:.3f}-{1 / res['ci95'][0]:.3f},"
+                    " kernel run first)")
+        return f"{res['ratio']:.3f} ({res['ci95'][0]:.3f}-{res['ci95'][1]:.3f})"
+    hand = ab["by_hand_kernel_on_off"]["runs"]
+    return "\n".join([
+        f"- The attention core alone (`scripts/bench_cpu_attention.py`), {sh['layers']} layers "
+        f"at `real_rl`'s decode shapes ({sh['rows']} rows, {sh['prompt_cols']} prompt columns of "
+        f"which {m['prompt_live_mean']:.0f} live on average, {sh['slots']} slots of which "
+        f"{m['gen_live_mean']:.0f} live): XLA path {m['median_ms']['xla']:.1f} ms, kernel "
+        f"{m['median_ms']['kernel']:.1f} ms a step, **{m['speedup']:.2f}x** (target 2.5x).",
+        f"- The sampler on `real` (greedy): {k['tokens_per_s']:.1f} useful tokens/s with the "
+        f"kernel against {x['tokens_per_s']:.1f} on the XLA path "
+        f"({k['tokens_per_s'] / x['tokens_per_s']:.2f}x), the same outputs (`lengths_sha1` "
+        f"{k['lengths_sha1']} both), {k['cpu_during_timed']['own_cores']:.2f} cores used against "
+        f"{x['cpu_during_timed']['own_cores']:.2f}, peak RSS {k['peak_rss_mb']:,.0f} MB (a venv "
+        "with the test requirements too). The XLA line comes from the sitting of the kernel's "
+        "first version, 35 minutes earlier. vLLM was not run beside it.",
+        f"- The toy_tail GRPO step with the kernel over the step before it, "
+        f"{len(ab['sittings'])} `scripts/ab.py` sittings of 2-3 pairs: "
+        + ", ".join(kernel_over_before(s) for s in ab["sittings"]) + ". Sampling is a third of "
+        "that step, and the update, which the kernel does not touch, moved as much between the "
+        "sides: these sittings do not resolve a 5 % change. At one commit, the kernel on and off "
+        "by hand (two pairs): steps of " + ", ".join(f"{r['step_s']:.2f} s" for r in hand)
+        + " (on, off, on, off)."])
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,6 +9,7 @@ DOCS = REPO / "docs"
 sys.path.insert(0, str(REPO / "scripts"))
 
 import aot_decode  # noqa: E402
+import bench_cpu_attention  # noqa: E402
 import bench_vs_trl  # noqa: E402
 import sitting_table  # noqa: E402
 import step_cost  # noqa: E402
@@ -157,3 +158,14 @@ def test_the_real_and_real_rl_sitting_is_quoted_from_its_results_file():
     cores = sorted(r["cpu_during_timed"]["own_cores"] for r in (real, rl))
     assert f"({cores[0]:.2f}-{cores[1]:.2f} of 2, against vLLM's " in prose
     assert f"against vLLM's {real_v['cpu_during_timed']['own_cores']:.1f})" in prose
+
+
+def test_the_cpu_kernel_sitting_is_quoted_from_its_records():
+    rec = json.loads((DOCS / "bench" / "cpu_kernel_2026-12-07.json").read_text())
+    ab = json.loads((DOCS / "bench" / "ab_toy_kernel_2026-12-07.json").read_text())
+    text = (DOCS / "benchmarks.md").read_text()
+    quoted = text.split("<!-- cpu-kernel -->\n")[1].split("\n<!-- /cpu-kernel -->")[0]
+    assert quoted == bench_cpu_attention.summary(rec, ab)  # rerun summary when a file changes
+    assert rec["micro"]["cpu"]["other_cores"] <= 0.15  # an uncontended sitting
+    assert rec["real"][0]["lengths_sha1"] == rec["real"][1]["lengths_sha1"] == "cc35245e4203"
+    assert len(rec["micro"]["commit"]) == 40
