@@ -179,21 +179,19 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
                                              gv, k, v, slot_R.reshape(b, g))
             new_gen.append((gk, gv))
             a = a.reshape(r, attn.n * attn.h).astype(x.dtype)
-            x = x + attn.o_proj(a)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            continue
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, G, H]
-        if impl == "xla":
-            a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_RxS, (k, v), g)
         else:
-            a = _attend_live(impl, lay, attn, q, pkv, prompt_mask_BxP, (gk, gv), slot_R, (k, v),
-                             g)
-        # The cache is written after it is read, and XLA must know it to write in place (else
-        # it copies the whole cache every step): a zero that depends on the row's attention
-        # output orders the write after the reads.
-        after = 0.0 * a[:, :1].reshape(b, 1, g, 1)
-        new_gen.append(decode_attention.write_rows(impl, lay, gk, gv, k + after, v + after,
-                                                   slot_R.reshape(b, g)))
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, G, H]
+            if impl == "xla":
+                a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_RxS, (k, v), g)
+            else:
+                a = _attend_live(impl, lay, attn, q, pkv, prompt_mask_BxP, (gk, gv), slot_R,
+                                 (k, v), g)
+            # The cache is written after it is read, and XLA must know it to write in place
+            # (else it copies the whole cache every step): a zero that depends on the row's
+            # attention output orders the write after the reads.
+            after = 0.0 * a[:, :1].reshape(b, 1, g, 1)
+            new_gen.append(decode_attention.write_rows(impl, lay, gk, gv, k + after, v + after,
+                                                       slot_R.reshape(b, g)))
         x = x + attn.o_proj(a)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return (placement.on(lay, model.logits(model.norm(x))),
