@@ -22,8 +22,8 @@ of the generated-token cache, V vocab, K kv heads, H head dim, n steps of a segm
   slots in use (a read of a prefix of a larger cache would copy it every step). Layer by
   layer, each old layer freed once read, the old and the new state never both live whole.
 
-Each step feeds one token per row through the model's own layers (its norms, projections, RoPE
-and MLP; only the attention core is specialised here).
+Each step feeds one token per row through the model's own blocks (`decoder.Block.wire`: its
+norms, projections, RoPE and MLP); only the cache and the attention core are specialised here.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from flax import nnx
 
 from sage_jax.engine import cpu_attention, decode_attention, placement
 from sage_jax.engine.select import is_eos, select
-from sage_jax.models.decoder import MASKED_SCORE, apply_rope, rope_inv_freq
+from sage_jax.models.decoder import MASKED_SCORE, rope_inv_freq
 
 PREFILL_SCORES_BYTES = 1 << 30  # prefill in chunks of prompts above ~1 GiB of attention scores
 
@@ -147,8 +147,10 @@ def _attend_live(impl, lay, attn, queries, prompt_kv, prompt_mask_BxP, gen_kv, s
 
 
 def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, lay=None):
-    """Feeds one token per row at positions pos_R; writes row r's K/V at its generated slot
-    slot_R[r] (rows may be at different steps; a slot outside the cache is not written).
+    """Feeds one token per row at positions pos_R through the model's own blocks
+    (`Block.wire`, `Attention.qkv`), with the attention core and the cache specialised here;
+    writes row r's K/V at its generated slot slot_R[r] (rows may be at different steps; a slot
+    outside the cache is not written).
 
     Returns (float32 logits [R, V], updated generated-token cache)."""
     inv_freq = rope_inv_freq(model.cfg)
@@ -158,28 +160,21 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
     if not decode_attention.supports(impl, model.cfg.head_dim, p, s,
                                      (model.compute_dtype, gen_kv[0][0].dtype)):
         impl = "xla"
-    x = placement.on(lay, model.embed_tokens[...][tok_R].astype(model.compute_dtype))
+    x = placement.on(lay, model.embed(tok_R[:, None]))  # [R, 1, D]
     r = x.shape[0]
     b = r // g
     lo_B = p - jnp.sum(prompt_mask_BxP, axis=1, dtype=jnp.int32)  # left-padded prompts
-    new_gen = []
-    for layer, pkv, (gk, gv) in zip(model.layers, prompt_kv, gen_kv):
-        attn = layer.self_attn
-        hid = layer.input_layernorm(x)
-        q = attn.q_proj(hid).reshape(r, 1, attn.n, attn.h)
-        k = attn.k_proj(hid).reshape(r, 1, attn.k, attn.h)
-        v = attn.v_proj(hid).reshape(b, g, attn.k, attn.h)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q, pos_R[:, None], inv_freq).reshape(r, attn.n * attn.h)
-        k = apply_rope(k, pos_R[:, None], inv_freq).reshape(b, g, attn.k, attn.h)
-        if impl == "cpu":  # the kernel reads live columns and writes the cache in place
-            pk, pv = pkv
-            a, gk, gv = cpu_attention.attend(lay, q.reshape(b, g, attn.k, -1), pk, pv, lo_B, gk,
-                                             gv, k, v, slot_R.reshape(b, g))
-            new_gen.append((gk, gv))
-            a = a.reshape(r, attn.n * attn.h).astype(x.dtype)
-        else:
+    slot_BxG = slot_R.reshape(b, g)
+
+    def core(pkv, gk, gv):
+        def attend(attn, h_Rx1xD):
+            q, k, v = attn.qkv(h_Rx1xD, pos_R[:, None], inv_freq)  # [R, 1, Q|K, H]
+            k, v = k.reshape(b, g, attn.k, attn.h), v.reshape(b, g, attn.k, attn.h)
+            if impl == "cpu":  # the kernel reads live columns and writes the cache in place
+                a, nk, nv = cpu_attention.attend(lay, q.reshape(b, g, attn.k, -1), *pkv, lo_B,
+                                                 gk, gv, k, v, slot_BxG)
+                return a.reshape(r, 1, attn.n * attn.h).astype(x.dtype), (nk, nv)
+            q = q.reshape(r, attn.n * attn.h)
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, G, H]
             if impl == "xla":
                 a = _attend(attn, q, pkv, prompt_mask_BxP, (gk, gv), gen_valid_RxS, (k, v), g)
@@ -190,11 +185,15 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
             # (else it copies the whole cache every step): a zero that depends on the row's
             # attention output orders the write after the reads.
             after = 0.0 * a[:, :1].reshape(b, 1, g, 1)
-            new_gen.append(decode_attention.write_rows(impl, lay, gk, gv, k + after, v + after,
-                                                       slot_R.reshape(b, g)))
-        x = x + attn.o_proj(a)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return (placement.on(lay, model.logits(model.norm(x))),
+            return a[:, None], decode_attention.write_rows(impl, lay, gk, gv, k + after,
+                                                           v + after, slot_BxG)
+        return attend
+
+    new_gen = []
+    for layer, pkv, (gk, gv) in zip(model.layers, prompt_kv, gen_kv):
+        x, kv = layer.wire(x, core(pkv, gk, gv))
+        new_gen.append(kv)
+    return (placement.on(lay, model.head(x)[:, 0]),
             placement.on(lay, tuple(new_gen), kv_dim=1))
 
 

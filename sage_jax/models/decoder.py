@@ -171,29 +171,40 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.n, self.k, self.h = n, k, h
 
-    def __call__(self, x_BxTxD, positions_BxT, inv_freq, allowed_BxTxS, kv=None):
-        """Returns (out_BxTxD, (k_BxSxKxH, v_BxSxKxH)); `kv` = (cache_k, cache_v, index).
-        Without `kv`, `allowed_BxTxS` must be causal (S = T; never a later key)."""
+    def qkv(self, x_BxTxD, positions_BxT, inv_freq):
+        """(queries [B, T, Q, H], keys [B, T, K, H], values [B, T, K, H]) of the normed hidden
+        states at `positions_BxT`: projected, q/k-normed (Qwen3) and rotated."""
         b, t, _ = x_BxTxD.shape
         q = self.q_proj(x_BxTxD).reshape(b, t, self.n, self.h)
         k = self.k_proj(x_BxTxD).reshape(b, t, self.k, self.h)
         v = self.v_proj(x_BxTxD).reshape(b, t, self.k, self.h)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions_BxT, inv_freq)
-        k = apply_rope(k, positions_BxT, inv_freq)
+        return apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq), v
+
+    def core(self, q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, allowed_BxTxS, kv=None):
+        """The attention core: (heads' output [B, T, Q*H] before `o_proj`, (keys, values) it
+        read [B, S, K, H]); `kv` = (cache_k, cache_v, index) appends to a cache first. Without
+        `kv`, `allowed_BxTxS` must be causal (S = T; never a later key)."""
+        b, t = q_BxTxQxH.shape[:2]
+        k, v = k_BxTxKxH, v_BxTxKxH
         if kv is not None:
             cache_k, cache_v, index = kv
             k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
             v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
-        q_BxTxKxJxH = q.reshape(b, t, self.k, self.n // self.k, self.h)
+        q_BxTxKxJxH = q_BxTxQxH.reshape(b, t, self.k, self.n // self.k, self.h)
         if kv is None:  # causal: each query block reads the keys up to its own end only
             out = jnp.concatenate(
                 [_attend(q_BxTxKxJxH[:, a:e], k[:, :e], v[:, :e], allowed_BxTxS[:, a:e, :e])
                  for a, e in causal_blocks(t)], axis=1)
         else:
             out = _attend(q_BxTxKxJxH, k, v, allowed_BxTxS)
-        return self.o_proj(out.reshape(b, t, self.n * self.h)), (k, v)
+        return out.reshape(b, t, self.n * self.h), (k, v)
+
+    def __call__(self, x_BxTxD, positions_BxT, inv_freq, allowed_BxTxS, kv=None):
+        """(out [B, T, D], (keys, values) [B, S, K, H]): `qkv`, `core`, `o_proj`."""
+        out, kv = self.core(*self.qkv(x_BxTxD, positions_BxT, inv_freq), allowed_BxTxS, kv)
+        return self.o_proj(out), kv
 
 
 class MLP(nnx.Module):
@@ -221,10 +232,18 @@ class Block(nnx.Module):
                                                 cdtype=cdtype)
         self.mlp = MLP(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs)
 
+    def wire(self, x_BxTxD, attend):
+        """The block around an attention core: `attend(self_attn, normed x_BxTxD)` returns
+        (the heads' output [B, T, Q*H] before `o_proj`, anything else it carries), and the
+        block returns (its output [B, T, D], that else). The sampler's decode step plugs its
+        own cache and core in here."""
+        a, carried = attend(self.self_attn, self.input_layernorm(x_BxTxD))
+        x = x_BxTxD + self.self_attn.o_proj(a)
+        return x + self.mlp(self.post_attention_layernorm(x)), carried
+
     def __call__(self, x, positions, inv_freq, allowed, kv=None):
-        a, new_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, allowed, kv)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+        return self.wire(x, lambda attn, h: attn.core(*attn.qkv(h, positions, inv_freq),
+                                                      allowed, kv))
 
 
 def _rematted(layer: Block, *args):
@@ -330,7 +349,7 @@ class Decoder(nnx.Module):
     def _layers(self, tokens_BxT, positions_BxT, allowed_BxTxS, cache: KVCache | None = None):
         """Embedding, blocks and final norm: (h [B, T, D], the blocks' keys and values)."""
         inv_freq = rope_inv_freq(self.cfg)
-        x = keep_rows(self.embed_tokens[...][tokens_BxT].astype(self.compute_dtype))
+        x = self.embed(tokens_BxT)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
@@ -339,6 +358,15 @@ class Decoder(nnx.Module):
             new_k.append(k)
             new_v.append(v)
         return self.norm(x), new_k, new_v
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """The first block's input: token embeddings (any shape of ids; D appended) in the
+        compute dtype."""
+        return keep_rows(self.embed_tokens[...][tokens].astype(self.compute_dtype))
+
+    def head(self, x_BxTxD: jax.Array) -> jax.Array:
+        """float32 logits [B, T, V] of the last block's output: final norm, then LM head."""
+        return self.logits(self.norm(x_BxTxD))
 
     def logits(self, h_BxTxD: jax.Array) -> jax.Array:
         """float32 logits [B, T, V] from final hidden states."""
