@@ -128,7 +128,7 @@ def run(args) -> None:
              else packing.as_packed(batch))  # the update takes the packed form
     slots = loss_mask.size
     if cfg.rl.padding_free:  # the micro-batches the update computes (the others are skipped)
-        m, u, r = update.layout(rows, settings)
+        m, u, r = update.batch_split(rows, settings)
         used = batch["loss_mask_ZxL"].reshape(r, m * u, -1).any(axis=(0, 2))
         slots = int(used.sum()) * r * batch["loss_mask_ZxL"].shape[1]
     batch = parallel.shard_batch(batch, mesh)

@@ -1,8 +1,9 @@
 """GRPO maths as pure functions: group advantages, the clipped surrogate, the k3 KL penalty and
 token log-probs / entropies computed in sequence chunks from the decoder's final hidden states.
 
-Shapes: B prompts, G answers per prompt, N = B*G rows, L tokens per row (prompt + answer), D
-hidden size, V vocabulary, C chunk length. Token arrays follow the batch layout of `update.py`:
+Shapes: B prompts, G answers per prompt, N = B*G rows, L tokens per row (prompt + answer), Z
+packed sequences (rows end to end, `engine.packing`), D hidden size, V vocabulary, C chunk
+length. Token arrays follow the batch layout of `update.py`:
 column t of `logp_NxL` is log p(tokens[t] | tokens[<t]), so the loss can use `loss_mask_NxL`
 (the answer tokens, end-of-sequence included) directly.
 """
@@ -42,7 +43,7 @@ def group_advantages(rewards_BxG: jax.Array | np.ndarray, *, scale: str = "group
 
 
 def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_len=None,
-              row_len_NxT=None):
+              row_len_ZxL=None):
     """Masked per-token losses -> one scalar.
 
     token-mean: sum / denom (default: the number of mask tokens).
@@ -51,8 +52,8 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
       over rows / denom.
     For the seq modes denom defaults to the number of rows with at least one mask token. Pass
     the whole mini-batch's count as `denom` so that micro-batch losses add up to its loss.
-    `row_len_NxT`: several rows per line (`engine.packing`), each token carrying its row's mask
-    count; the seq modes then weigh tokens (1 / row count, or 1 / norm_len) and need `denom`.
+    `row_len_ZxL`: packed sequences (`engine.packing`: several rows per line, Z lines of L
+    columns), each token carrying its row's mask count; the seq modes then weigh tokens (1 / row count, or 1 / norm_len) and need `denom`.
     """
     if agg not in AGG_MODES:
         raise ValueError(f"loss aggregation {agg!r} is not one of {AGG_MODES}")
@@ -61,12 +62,12 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
     if agg == "token-mean":
         d = jnp.maximum(jnp.sum(m), 1.0) if denom is None else denom
         return jnp.sum(masked) / d
-    if row_len_NxT is not None:
-        packed_needs = "aggregate over packed rows (row_len_NxT) needs denom and norm_len"
+    if row_len_ZxL is not None:
+        packed_needs = "aggregate over packed rows (row_len_ZxL) needs denom and norm_len"
         if denom is None:
             raise ValueError(packed_needs)
         if agg == "seq-mean-token-mean":
-            return jnp.sum(masked / jnp.maximum(row_len_NxT, 1.0)) / denom
+            return jnp.sum(masked / jnp.maximum(row_len_ZxL, 1.0)) / denom
         if norm_len is None:  # seq-mean-token-sum-norm
             raise ValueError(packed_needs)
         return jnp.sum(masked) / norm_len / denom
@@ -81,13 +82,13 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
 
 def policy_loss(logp_NxT, old_logp_NxT, advantages, mask_NxT, *, clip_low: float = 0.2,
                 clip_high: float = 0.28, dual_clip: float = 3.0, agg: str = "token-mean",
-                denom=None, norm_len=None, token_denom=None, row_len_NxT=None):
+                denom=None, norm_len=None, token_denom=None, row_len_ZxL=None):
     """PPO clipped surrogate with clip-higher and dual clip, as verl's `compute_policy_loss`.
 
     ratio = exp(clamp(logp - old_logp, -20, 20));
     pg = max(-A*ratio, -A*clip(ratio, 1-clip_low, 1+clip_high)); for A < 0 and dual_clip > 0,
     pg = min(pg, -A*dual_clip). Returns (loss, metrics) with the loss aggregated by `aggregate`
-    (`row_len_NxT`: packed rows, see there). `advantages`: one per row [N], or one per
+    (`row_len_ZxL`: packed rows, see there). `advantages`: one per row [N], or one per
     token [N, T] (packed rows: each token carries its row's).
     Metrics are token fractions over `mask_NxT` (divided by `token_denom`, default the mask
     count, so micro-batch metrics add up too):
@@ -112,7 +113,7 @@ def policy_loss(logp_NxT, old_logp_NxT, advantages, mask_NxT, *, clip_low: float
         dual = (a < 0) & (pg > bound)
         pg = jnp.where(a < 0, jnp.minimum(pg, bound), pg)
     loss = aggregate(pg, mask_NxT, agg=agg, denom=denom, norm_len=norm_len,
-                     row_len_NxT=row_len_NxT)
+                     row_len_ZxL=row_len_ZxL)
     m = mask_NxT.astype(jnp.float32)
     tokens = jnp.maximum(jnp.sum(m), 1.0) if token_denom is None else token_denom
 
@@ -188,29 +189,31 @@ def logprobs_from_hidden(logits_fn, h_NxLxD, tokens_NxL, need_NxL, *, chunk: int
 
 
 def token_logprobs_and_entropy(graphdef, params, tokens_NxL, mask_NxL, *, need_NxL=None,
-                               chunk: int | None = 256, segments_NxL=None):
+                               chunk: int | None = 256):
     """(logp_NxL, entropy_NxL) of the decoder (graphdef, params) on left-padded rows.
 
     `mask_NxL` marks valid tokens (attention and positions); `need_NxL` (default: valid tokens
     with a valid predecessor) marks the columns whose values are wanted, e.g. the loss mask.
-    `segments_NxL` (then `mask_NxL` is None): packed rows, see `Decoder.hidden`.
     """
     model = nnx.merge(graphdef, params)
-    if segments_NxL is not None:
-        mask = segments_NxL > 0
-        h = model.hidden(tokens_NxL, segments_BxT=segments_NxL)
-    else:
-        mask = mask_NxL.astype(bool)
-        h = model.hidden(tokens_NxL, mask_BxT=mask)
-    if need_NxL is None:  # a predecessor in the same row
-        same = mask if segments_NxL is None else segments_NxL
-        need_NxL = mask & (jnp.pad(same[:, :-1], [(0, 0), (1, 0)]) == same)
+    mask = mask_NxL.astype(bool)
+    h = model.hidden(tokens_NxL, mask_BxT=mask)
+    if need_NxL is None:  # a valid predecessor
+        need_NxL = mask & jnp.pad(mask[:, :-1], [(0, 0), (1, 0)])
     return logprobs_from_hidden(model.logits, h, tokens_NxL, need_NxL, chunk=chunk)
 
 
 def token_logprobs(graphdef, params, tokens_NxL, mask_NxL, *, need_NxL=None,
-                   chunk: int | None = 256, segments_NxL=None):
+                   chunk: int | None = 256):
     """logp_NxL: log p(tokens[t] | tokens[<t]) for t >= 1, 0 at t = 0 and where not needed."""
     return token_logprobs_and_entropy(graphdef, params, tokens_NxL, mask_NxL,
-                                      need_NxL=need_NxL, chunk=chunk,
-                                      segments_NxL=segments_NxL)[0]
+                                      need_NxL=need_NxL, chunk=chunk)[0]
+
+
+def packed_token_logprobs(graphdef, params, tokens_ZxL, segments_ZxL, need_ZxL, *,
+                          chunk: int | None = 256):
+    """logp_ZxL of packed sequences (`engine.packing`, `Decoder.packed_hidden`): each row's
+    tokens get the log-probs the row gets alone; 0 where `need_ZxL` is False."""
+    model = nnx.merge(graphdef, params)
+    h = model.packed_hidden(tokens_ZxL, segments_ZxL)
+    return logprobs_from_hidden(model.logits, h, tokens_ZxL, need_ZxL, chunk=chunk)[0]

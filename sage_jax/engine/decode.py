@@ -171,7 +171,8 @@ def _step(model, tok_R, pos_R, slot_R, prompt_kv, prompt_mask_BxP, gen_kv, g, la
             q, k, v = attn.qkv(h_Rx1xD, pos_R[:, None], inv_freq)  # [R, 1, Q|K, H]
             k, v = k.reshape(b, g, attn.k, attn.h), v.reshape(b, g, attn.k, attn.h)
             if impl == "cpu":  # the kernel reads live columns and writes the cache in place
-                a, nk, nv = cpu_attention.attend(lay, q.reshape(b, g, attn.k, -1), *pkv, lo_B,
+                pk, pv = pkv
+                a, nk, nv = cpu_attention.attend(lay, q.reshape(b, g, attn.k, -1), pk, pv, lo_B,
                                                  gk, gv, k, v, slot_BxG)
                 return a.reshape(r, 1, attn.n * attn.h).astype(x.dtype), (nk, nv)
             q = q.reshape(r, attn.n * attn.h)

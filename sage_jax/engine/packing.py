@@ -51,7 +51,7 @@ def pack_rows(rows: dict, *, minibatches: int, micro_batches: int, micro_rows: i
               width: int) -> dict:
     """The packed form (above) of `rows` (`rows_of`'s form: row q's valid tokens, from the
     padded layout's row q), whose mini-batches are `micro_batches` micro-batches of `micro_rows`
-    rows (`update.layout`), in sequences of `width` columns (at least the longest row)."""
+    rows (`update.batch_split`), in sequences of `width` columns (at least the longest row)."""
     m, u, r = minibatches, micro_batches, micro_rows
     lengths = np.asarray([len(t) for t in rows["tokens"]], np.int64)
     n = len(lengths)

@@ -141,7 +141,7 @@ def new_state(params: nnx.State, settings: UpdateSettings) -> TrainState:
                       data_position=jnp.zeros((), jnp.int32))
 
 
-def layout(n: int, settings: UpdateSettings) -> tuple[int, int, int]:
+def batch_split(n: int, settings: UpdateSettings) -> tuple[int, int, int]:
     """(minibatches M, micro-batches per mini-batch U, rows per micro-batch R) for N rows."""
     m = settings.minibatches
     if n % m:
@@ -156,7 +156,7 @@ def layout(n: int, settings: UpdateSettings) -> tuple[int, int, int]:
 def pack_batch(batch: dict, settings: UpdateSettings) -> dict:
     """The packed form (`engine.packing`) of a padded numpy batch, for the run's mini-batches,
     in sequences of its longest row (`row_len`): every step's batch has one shape."""
-    m, u, r = layout(len(batch["advantages_N"]), settings)
+    m, u, r = batch_split(len(batch["advantages_N"]), settings)
     return packing.pack(batch, minibatches=m, micro_batches=u, micro_rows=r,
                         width=settings.row_len)
 
@@ -190,7 +190,7 @@ def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
             raise ValueError(f"batch[{key!r}] has shape {list(batch[key].shape)}, "
                              f"expected [{n}]")
     parallel.check_rows(n, mesh)
-    m, _, r = layout(n, settings)
+    m, _, r = batch_split(n, settings)
     parallel.check_rows(r, mesh, f"a micro-batch (rl.micro_batch_size={r})")
     if shape[0] != n:
         raise ValueError(f"a packed batch has as many sequences as rows ({n}: {m} "
@@ -207,12 +207,12 @@ def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, settings: UpdateSe
     loss_mask = mb["loss_mask_ZxL"]
     model = nnx.merge(graphdef, params)
     h = jax.lax.with_sharding_constraint(
-        model.hidden(mb["tokens_ZxL"], segments_BxT=mb["segments_ZxL"]),
+        model.packed_hidden(mb["tokens_ZxL"], mb["segments_ZxL"]),
         rows)  # keep rows split (not D) for the logits
     logp, ent = grpo.logprobs_from_hidden(model.logits, h, mb["tokens_ZxL"], loss_mask,
                                           chunk=chunk, remat_logits=remat_logits)
     agg: dict[str, Any] = dict(agg=settings.loss_agg, norm_len=settings.norm_len,
-                               row_len_NxT=mb["answer_len_ZxL"],
+                               row_len_ZxL=mb["answer_len_ZxL"],
                                denom=tok_denom if settings.loss_agg == "token-mean"
                                else seq_denom)
     old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_ZxL"])
@@ -234,7 +234,7 @@ def _prepare(params, batch, *, graphdef, settings, mesh, chunk, skip_first=False
     r*M*U + j*U + i -> [j, i, r]), with old log-probs (recomputed from `params` when absent;
     with `skip_first`, not for mini-batch 0, which the first update takes fresh), and
     per-mini-batch answer-token and answer counts."""
-    m, u, r = layout(batch["advantages_N"].shape[0], settings)
+    m, u, r = batch_split(batch["advantages_N"].shape[0], settings)
     split_sh = NamedSharding(mesh, P(None, None, parallel.ROWS))
 
     def split(x):
@@ -245,9 +245,9 @@ def _prepare(params, batch, *, graphdef, settings, mesh, chunk, skip_first=False
     data["loss_mask_ZxL"] = data["loss_mask_ZxL"].astype(bool) & (data["segments_ZxL"] > 0)
     if "old_logp_ZxL" not in data:
         def old(mb):
-            return grpo.token_logprobs(graphdef, params, mb["tokens_ZxL"], None,
-                                       segments_NxL=mb["segments_ZxL"],
-                                       need_NxL=mb["loss_mask_ZxL"], chunk=chunk)
+            return grpo.packed_token_logprobs(graphdef, params, mb["tokens_ZxL"],
+                                              mb["segments_ZxL"], mb["loss_mask_ZxL"],
+                                              chunk=chunk)
         first = u if skip_first else 0
         flat = {key: data[key].reshape(m * u, *data[key].shape[2:])[first:]
                 for key in ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL")}

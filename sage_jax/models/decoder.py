@@ -1,13 +1,14 @@
 """Flax NNX decoder for Llama-3.x, Qwen2/2.5 and Qwen3: RMSNorm, RoPE, GQA, SwiGLU.
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, Q query heads, K kv heads,
-H head dim, F MLP width, V vocab.
+H head dim, F MLP width, V vocab, Z packed sequences (rows end to end), L their columns.
 
 Two ways to call it:
   * `model(tokens_BxT)` -> float32 logits_BxTxV (positions 0..T-1, no padding), or with
     `mask_BxT` for left-padded rows (positions count valid tokens only);
   * `model(tokens_BxT, cache=cache)` -> (logits_BxTxV, cache'): appends T tokens to an explicit
     `KVCache` pytree and attends to everything valid in it.
+`packed_hidden(tokens_ZxL, segments_ZxL)` gives the hidden states of rows packed end to end.
 Inside `jax.jit`, use the pure form `apply(graphdef, params, tokens_BxT, ...)`.
 """
 
@@ -155,7 +156,8 @@ def _attend(q_BxTxKxJxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with optional q/k/v bias and Qwen3 q/k norm."""
+    """Grouped-query self-attention with optional q/k/v bias and Qwen3 q/k norm: `qkv`, then
+    `core`; the block (`Block.wire`) applies `o_proj`."""
 
     def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -201,11 +203,6 @@ class Attention(nnx.Module):
             out = _attend(q_BxTxKxJxH, k, v, allowed_BxTxS)
         return out.reshape(b, t, self.n * self.h), (k, v)
 
-    def __call__(self, x_BxTxD, positions_BxT, inv_freq, allowed_BxTxS, kv=None):
-        """(out [B, T, D], (keys, values) [B, S, K, H]): `qkv`, `core`, `o_proj`."""
-        out, kv = self.core(*self.qkv(x_BxTxD, positions_BxT, inv_freq), allowed_BxTxS, kv)
-        return self.o_proj(out), kv
-
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -242,8 +239,11 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), carried
 
     def __call__(self, x, positions, inv_freq, allowed, kv=None):
-        return self.wire(x, lambda attn, h: attn.core(*attn.qkv(h, positions, inv_freq),
-                                                      allowed, kv))
+        def attend(attn, h):
+            q, k, v = attn.qkv(h, positions, inv_freq)
+            return attn.core(q, k, v, allowed, kv)
+
+        return self.wire(x, attend)
 
 
 def _rematted(layer: Block, *args):
@@ -302,24 +302,10 @@ class Decoder(nnx.Module):
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
                                cdtype=cdtype, rngs=rngs))
 
-    def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None, segments_BxT=None,
+    def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None,
                cache: KVCache | None = None):
-        """Final-norm hidden states [B, T, D] (and the updated cache when one is given).
-
-        `segments_BxT` (no cache): rows packed end to end, 0 on padding and 1, 2, ... on the
-        packed rows (`engine.packing`); a token attends within its own row only and positions
-        restart at 0 in each row."""
+        """Final-norm hidden states [B, T, D] (and the updated cache when one is given)."""
         b, t = tokens_BxT.shape
-        if segments_BxT is not None:
-            if cache is not None or mask_BxT is not None:
-                raise ValueError("segments_BxT replaces mask_BxT and takes no cache")
-            seg = segments_BxT
-            first = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-            start = jax.lax.cummax(jnp.where(first, jnp.arange(t)[None], 0), axis=1)
-            positions_BxT = jnp.arange(t)[None] - start if positions_BxT is None else positions_BxT
-            allowed_BxTxS = ((jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
-                             & (seg[:, :, None] == seg[:, None, :]) & (seg > 0)[:, None, :])
-            return self._layers(tokens_BxT, positions_BxT, allowed_BxTxS)[0]
         mask_BxT = jnp.ones((b, t), bool) if mask_BxT is None else mask_BxT.astype(bool)
         if cache is None:
             return self.prompt_kv(tokens_BxT, mask_BxT, positions_BxT)[0]
@@ -333,6 +319,18 @@ class Decoder(nnx.Module):
         h, new_k, new_v = self._layers(tokens_BxT, positions_BxT, allowed_BxTxS, cache)
         return h, KVCache(k=tuple(new_k), v=tuple(new_v), mask_BxS=key_mask_BxS,
                           index=cache.index + t)
+
+    def packed_hidden(self, tokens_ZxL, segments_ZxL):
+        """Final-norm hidden states [Z, L, D] of rows packed end to end (`engine.packing`):
+        `segments_ZxL` is 0 on padding and 1, 2, ... on the packed rows; a token attends within
+        its own row only and positions restart at 0 in each row."""
+        z, length = tokens_ZxL.shape
+        seg = segments_ZxL
+        first = jnp.concatenate([jnp.ones((z, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+        start = jax.lax.cummax(jnp.where(first, jnp.arange(length)[None], 0), axis=1)
+        causal = jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]
+        allowed_ZxLxL = causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg > 0)[:, None, :]
+        return self._layers(tokens_ZxL, jnp.arange(length)[None] - start, allowed_ZxLxL)[0]
 
     def prompt_kv(self, tokens_BxT, mask_BxT, positions_BxT=None):
         """(final-norm hidden states [B, T, D], keys and values per layer [B, T, K, H]) of

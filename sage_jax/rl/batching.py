@@ -74,7 +74,7 @@ def update_batch(ro: Rollout, settings: update.UpdateSettings, *, padding_free: 
     width = sampling_plan.length_bucket(max(len(t) for t in rows["tokens"]))
     if not padding_free:
         return packing.as_packed(packing.pad_rows(rows, width, pad_id))
-    m, u, r = update.layout(len(rows["tokens"]), settings)
+    m, u, r = update.batch_split(len(rows["tokens"]), settings)
     return packing.pack_rows(rows, minibatches=m, micro_batches=u, micro_rows=r,
                              width=max(width, settings.row_len))
 

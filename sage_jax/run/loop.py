@@ -46,7 +46,7 @@ class TrainingError(RuntimeError):
 def check_fits(cfg: Config, mesh: Mesh) -> None:
     """Fails before any compile when the step's rows do not fit the mesh and mini-batches."""
     rows = cfg.rl.prompts_per_step * cfg.rl.group_size
-    _, _, r = update.layout(rows, update.UpdateSettings.of(cfg))
+    _, _, r = update.batch_split(rows, update.UpdateSettings.of(cfg))
     parallel.check_rows(rows, mesh, "the step's rows (rl.prompts_per_step * rl.group_size)")
     parallel.check_rows(r, mesh, "a micro-batch (rl.micro_batch_size)")
 

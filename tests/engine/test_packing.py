@@ -51,7 +51,7 @@ def one_device_mesh():
 
 def holding_rows(packed, cfg) -> tuple[int, int]:
     """(sequences that hold rows, micro-batches that hold answer tokens) of a packed batch."""
-    m, u, r = update.layout(len(packed["advantages_N"]), settings_of(cfg))
+    m, u, r = update.batch_split(len(packed["advantages_N"]), settings_of(cfg))
     seqs = packed["segments_ZxL"].max(axis=1) > 0
     micro = packed["loss_mask_ZxL"].reshape(r, m * u, -1).any(axis=(0, 2))
     return int(seqs.sum()), int(micro.sum())
@@ -66,7 +66,7 @@ def test_packing_keeps_every_row_whole_in_its_minibatch_and_saves_padding():
     batch, cfg = make_batch(), make_cfg()
     packed = update.pack_batch(batch, settings_of(cfg))
     s = len(packed["tokens_ZxL"])
-    m, u, r = update.layout(16, settings_of(cfg))
+    m, u, r = update.batch_split(16, settings_of(cfg))
     assert packed["tokens_ZxL"].shape == (16, update.row_len(cfg)) == (16, 32)
     used, micro = holding_rows(packed, cfg)
     assert used < 16 and micro < m * u  # fewer sequences than rows: micro-batches left empty
@@ -103,9 +103,9 @@ def test_packed_rows_get_the_log_probs_each_row_gets_alone(block_min, monkeypatc
     packed = update.pack_batch(batch, settings_of(make_cfg()))
     alone = np.asarray(grpo.token_logprobs(graphdef, params, batch["tokens_NxL"],
                                            batch["mask_NxL"], need_NxL=batch["loss_mask_NxL"]))
-    together = np.asarray(grpo.token_logprobs(graphdef, params, packed["tokens_ZxL"], None,
-                                              segments_NxL=packed["segments_ZxL"],
-                                              need_NxL=packed["loss_mask_ZxL"]))
+    together = np.asarray(grpo.packed_token_logprobs(graphdef, params, packed["tokens_ZxL"],
+                                                     packed["segments_ZxL"],
+                                                     packed["loss_mask_ZxL"]))
     want = np.sort(alone[batch["loss_mask_NxL"]])
     got = np.sort(together[packed["loss_mask_ZxL"]])
     assert want.shape == got.shape
@@ -179,7 +179,7 @@ def test_packed_step_with_skipped_micro_batches_equals_padded(
     mesh = base if shape == (1, 1, 1) else parallel.make_mesh(MeshConfig(*shape))
     packed = update.pack_batch(batch, settings_of(cfg))
     used, computed = holding_rows(packed, cfg)
-    m, u, r = update.layout(rows, settings_of(cfg))
+    m, u, r = update.batch_split(rows, settings_of(cfg))
     assert used < rows and computed < m * u  # the cases this test is for
     seqs = (packed["segments_ZxL"].max(axis=1) > 0).reshape(r, m * u).sum(axis=0)
     assert ((seqs > 0) & (seqs < r)).any()  # and a micro-batch that is partly padding

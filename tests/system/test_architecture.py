@@ -327,13 +327,41 @@ def test_shape_names_agree_in_rank_across_calls():
     assert len(_rank_mismatches({"probe": probe})) == 2  # the check can fail
 
 
-def test_update_layout_unpacks_as_its_letters():
-    """`layout()` returns (M, U, R): every unpacking names them m, u, r (or _)."""
+def _letters(name: str | None) -> str | None:
+    m = re.search(r"_([A-Z](?:x[A-Z0-9])*)$", name or "")
+    return m[1] if m else None
+
+
+def _letter_mismatches(trees: dict[str, ast.Module]) -> list[str]:
+    """Keyword arguments whose keyword and value both carry shape letters, and other ones
+    (`segments_BxT=segments_ZxL`): a keyword names what it hands over, so its letters match."""
+    bad = []
+    for path, tree in trees.items():
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call):
+                for kw in call.keywords:
+                    want, got = _letters(kw.arg), _letters(_arg_name(kw.value))
+                    if want and got and want != got:
+                        bad.append(f"{path}:{call.lineno}: {kw.arg}={_arg_name(kw.value)}")
+    return bad
+
+
+def test_keyword_arguments_hand_over_values_of_the_same_shape_letters():
+    trees = {str(p.relative_to(PACKAGE.parent)): ast.parse(p.read_text())
+             for p in PACKAGE.rglob("*.py")}
+    assert not _letter_mismatches(trees)
+    probe = ast.parse("f(seg_BxT=mb['segments_ZxL'], a_N=adv_N, m_NxL=x_NxT)\n")
+    assert _letter_mismatches({"probe": probe}) == [  # the check can fail
+        "probe:1: seg_BxT=segments_ZxL", "probe:1: m_NxL=x_NxT"]
+
+
+def test_update_batch_split_unpacks_as_its_letters():
+    """`batch_split()` returns (M, U, R): every unpacking names them m, u, r (or _)."""
     seen = 0
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                    and _arg_name(node.value.func) == "layout"
+                    and _arg_name(node.value.func) == "batch_split"
                     and isinstance(node.targets[0], ast.Tuple)):
                 names = [t.id for t in node.targets[0].elts if isinstance(t, ast.Name)]
                 assert all(n in (want, "_") for n, want in zip(names, "mur")), (path, names)
