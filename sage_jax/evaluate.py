@@ -9,7 +9,8 @@ The model is a Hugging Face folder (`--model`) or a training run folder (`--chec
 WORKDIR[/STEP]`, latest step by default). Prompts are the training answer prompt (a system
 instruction to reason step by step and box the answer, then the problem, through the model's chat
 template) and never carry a hint. Each problem is sampled k times (paper: k=16 at temperature 0.6,
-top-p 0.95); a sample scores 1 when its last `\\boxed{}` is equivalent to the ground truth.
+top-p 0.95), by the run's rollout engine (`--engine`: native, the default, or vllm); a sample
+scores 1 when its last `\\boxed{}` is equivalent to the ground truth.
 
 Per benchmark: avg@k (mean accuracy over the k samples of every problem, the paper's number),
 pass@k (share of problems with at least one correct sample), mean answer length in tokens (EOS
@@ -78,6 +79,10 @@ def _parse(argv):
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="--model weights dtype (auto: float32 on CPU, else bfloat16); a "
                         "--checkpoint keeps its training dtypes")
+    p.add_argument("--engine", choices=("native", "vllm"), default=None,
+                   help="what samples (default: a run's rollout.engine, else native); vllm is "
+                        "the optional extra sage_jax[vllm] and needs a Hugging Face model "
+                        "folder (--model, or the run's model.path)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--reward-timeout", type=float, default=5.0,
                    help="seconds per answer for the checker (default 5)")

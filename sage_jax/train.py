@@ -18,7 +18,7 @@ from pathlib import Path
 from sage_jax.infra import checkpoint, cli, compile_cache
 from sage_jax import config as config_lib
 from sage_jax.jobs import toy_job
-from sage_jax.run import loop, vllm_engine
+from sage_jax.run import build, loop
 from sage_jax.run.loop import TrainingError
 from sage_jax.tasks import registry
 
@@ -28,7 +28,7 @@ JOBS = {"toy": toy_job.run}  # task.name -> its default job (which falls back to
 def run(cfg, workdir) -> dict:
     """The training job of `cfg` in `workdir` (JAX's compilation cache in
     `train.compile_cache`); returns the last step's metrics."""
-    vllm_engine.check(cfg)  # before a job's first work (the toy job's warm start)
+    build.check_rollout_engine(cfg)  # before a job's first work (the toy job's warm start)
     compile_cache.enable(cfg.train.compile_cache)
     return JOBS.get(cfg.task.name, loop.train)(cfg, workdir)
 

@@ -199,8 +199,8 @@ def write_accuracy(out: Path, overrides: list[str], base: str | Path = BASE) -> 
     cfg = registry.load_config(base, overrides)
     problems = toy.held_out_problems(cfg.task.section(ToyConfig).eval_per_length,
                                      warm_start.spec(cfg))
-    res = toy_calibrate.hint_write_accuracy(build.load_model(cfg), problems,
-                                            task=warm_start.make_task(cfg))
+    res = toy_calibrate.hint_write_accuracy(toy_job.model_engine(cfg, build.load_model(cfg)),
+                                            problems, task=warm_start.make_task(cfg))
     res = {"problems": len(problems), **res,  # greedy: no sampling seed
            "provenance": provenance.record(config.to_dict(cfg), None)}
     path.write_text(json.dumps(res, indent=1))

@@ -30,6 +30,7 @@ from sage_jax import config as config_lib, models
 from sage_jax.infra import metrics as metrics_lib, provenance, rewards
 from sage_jax.infra.phases import phase_medians, phase_table
 from sage_jax.eval import accuracy as eval_lib
+from sage_jax.rl import engines
 from sage_jax.run import build, loop, restore
 from sage_jax.tasks import registry
 from sage_jax.tasks.words import words_plugin as plugin
@@ -59,10 +60,10 @@ def pass_rates(model, cfg, *, per_length: int, samples: int) -> dict[str, np.nda
     w = cfg.task.section(WordsConfig)
     problems = plugin.held_out(per_length, w.min_steps, w.max_steps)
     task = build.load_task(cfg)
-    graphdef, params = models.split(model)
+    engine = engines.NativeEngine(*models.split(model), eos_ids=task.eos_ids, pad_id=task.pad_id)
     with rewards.RewardPool(task.reward_fn) as pool:
         result = eval_lib.evaluate_problems(
-            graphdef, params, task, problems, k=samples, temperature=cfg.rl.temperature,
+            engine, task, problems, k=samples, temperature=cfg.rl.temperature,
             top_p=1.0, max_new_tokens=cfg.rl.max_new_tokens, key=jax.random.PRNGKey(EVAL_KEY),
             scorer=pool.score, batch_size=32, keep_samples=True)
     out = {name: np.zeros(len(ps)) for name, ps in problems.items()}

@@ -58,7 +58,7 @@ def measure(seed: int, run: dict, wd: Path, cfg, *, start_model) -> dict:
     l3 = [p for p in problems if 3 in toy.reference_hints(p)]
     l3_pass = float("nan")
     if l3:
-        r, _ = calibrate.sample_rewards(final, l3, level=3, group_size=cfg.rl.group_size,
+        r, _ = calibrate.sample_rewards(toy_job.model_engine(cfg, final), l3, level=3, group_size=cfg.rl.group_size,
                                         temperature=cfg.rl.temperature,
                                         key=jax.random.PRNGKey(5000 + seed))
         l3_pass = float(r.mean())
@@ -85,7 +85,7 @@ def start_gate(model, cfg, out: Path) -> dict:
     path = out / "gate.json"
     if path.is_file():
         return json.loads(path.read_text())
-    cal = calibrate.calibrate(model, spec=warm_start.spec(cfg), task=warm_start.make_task(cfg),
+    cal = calibrate.calibrate(toy_job.model_engine(cfg, model), spec=warm_start.spec(cfg), task=warm_start.make_task(cfg),
                               problems_per_length=cfg.task.section(ToyConfig).calibrate_per_length,
                               group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
                               method="sage", hint_source="online")

@@ -53,7 +53,8 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
     For the seq modes denom defaults to the number of rows with at least one mask token. Pass
     the whole mini-batch's count as `denom` so that micro-batch losses add up to its loss.
     `row_len_ZxL`: packed sequences (`engine.packing`: several rows per line, Z lines of L
-    columns), each token carrying its row's mask count; the seq modes then weigh tokens (1 / row count, or 1 / norm_len) and need `denom`.
+    columns), each token carrying its row's mask count; the seq modes then weigh tokens (1 /
+    row count, or 1 / norm_len) and need `denom`.
     """
     if agg not in AGG_MODES:
         raise ValueError(f"loss aggregation {agg!r} is not one of {AGG_MODES}")

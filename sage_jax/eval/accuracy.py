@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from sage_jax.engine import sampling, sampling_plan
+from sage_jax.rl.types import RolloutEngine
 from sage_jax.infra.rewards import Scorer
 from sage_jax.tasks.benchmarks import ALL_BENCHMARKS, BENCHMARKS, Problem, load_benchmark
 from sage_jax.tasks.hub_benchmarks import load_hub_benchmark
@@ -88,7 +88,7 @@ def paper_average(per_benchmark: Mapping[str, Mapping[str, Any]]) -> dict[str, A
 
 # ---- the evaluation loop ----------------------------------------------------------------------
 
-def evaluate_problems(graphdef, params, task,
+def evaluate_problems(engine: RolloutEngine, task,
                       problems_by_benchmark: Mapping[str, Sequence[Problem]], *, k: int,
                       temperature: float, top_p: float, max_new_tokens: int, key,
                       scorer: Scorer, top_k: int = 0, batch_size: int = 64,
@@ -96,8 +96,8 @@ def evaluate_problems(graphdef, params, task,
     """Samples k hint-free answers per problem with the policy and scores them.
 
     Args:
-      graphdef, params: the policy as `(graphdef, params)` (e.g. `models.split(model)`, or the
-        trainer's `graphdef, state.params`).
+      engine: the `RolloutEngine` that samples, synced to the policy (e.g.
+        `rl.engines.NativeEngine(*models.split(model), eos_ids=..., pad_id=...)`, or a run's).
       task: a `tasks.base.Task` (`MathTask`, `ToyTask`): its answer prompt, decoding, reference
         and answer extraction. Hints are never used.
       problems_by_benchmark: {benchmark name: problems}, e.g. from `load_problems`.
@@ -125,22 +125,19 @@ def evaluate_problems(graphdef, params, task,
                    max_new_tokens=max_new_tokens)
     prompts = [task.answer_prompt(p.problem) for _, p in items]
     order = sorted(range(len(items)), key=lambda i: -len(prompts[i]))  # longest first: OOM early
-    eos_ids, pad_id = tuple(int(e) for e in task.eos_ids), int(task.pad_id)
+    eos_ids = tuple(int(e) for e in task.eos_ids)
     got = _Scored.empty(len(items), k)
     t0 = time.perf_counter()
     bar = tqdm(total=len(items), unit="problem", desc="eval", file=sys.stderr,
                dynamic_ncols=True) if progress else None
 
     def launch(chunk):
-        width = sampling_plan.prompt_bucket(max(len(prompts[i]) for i in chunk))
-        tok, mask = sampling.left_pad([prompts[i] for i in chunk], width, pad_id)
         ids = np.asarray([problem_id(items[i][0], items[i][1].index) for i in chunk], np.int32)
-        return sampling.sample(graphdef, params, tok, mask, key=key, num_samples=k,
-                               max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_p=top_p, top_k=top_k, eos_ids=eos_ids, prompt_ids_B=ids,
-                               pad_id=pad_id)
+        return engine.sample([prompts[i] for i in chunk], key=key, prompt_ids=ids,
+                             num_samples=k, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, top_k=top_k)
 
-    def finish(chunk, out):  # `sampling.sample` returns host arrays: nothing overlaps
+    def finish(chunk, out):  # the engine returns host arrays: nothing overlaps
         got.add(chunk, np.asarray(out.tokens), np.asarray(out.lengths), task=task,
                 problems=[items[i][1] for i in chunk], scorer=scorer,
                 max_new_tokens=max_new_tokens, eos_ids=eos_ids)

@@ -17,14 +17,17 @@ import jax.numpy as jnp
 from sage_jax import config as config_lib, models
 from sage_jax.infra import provenance, rewards
 from sage_jax.eval import accuracy as eval_lib
-from sage_jax.run import restore
+from sage_jax.rl import engines
+from sage_jax.rl.types import RolloutEngine
+from sage_jax.run import restore, vllm_engine
 from sage_jax.tasks import registry
 from sage_jax.tasks.benchmarks import BENCHMARKS
 from sage_jax.tasks.math import ANSWER_SYSTEM, MathTask
 
 
 def _policy(args):
-    """(graphdef, params, task, info, run cfg or None) of --model or --checkpoint."""
+    """(model, task, info, run cfg or None, Hugging Face folder or None) of --model or
+    --checkpoint."""
     if args.model:
         try:
             path = models.check_model_dir(args.model)  # a folder, or a hub id
@@ -44,7 +47,7 @@ def _policy(args):
         system = ANSWER_SYSTEM if args.system_prompt is None else args.system_prompt
         task = MathTask(tokenizer, system_prompt=system)
         info = {"model": str(args.model), "dtype": dtype}
-        cfg = None
+        cfg, folder = None, path
     else:
         workdir, step = restore.split_checkpoint_path(args.checkpoint)
         cfg, model, step = restore.restore_policy(workdir, step)
@@ -60,10 +63,31 @@ def _policy(args):
                   file=sys.stderr)
         info = {"checkpoint": str(workdir), "step": int(step), "task": cfg.task.name,
                 "method": cfg.rl.method, "dtype": cfg.model.dtype}
+        folder = models.hub.resolve(cfg.model.path) if cfg.model.path else None
     if task.system_prompt is not None:
         info["system_prompt"] = task.system_prompt
+    return model, task, info, cfg, folder
+
+
+def _engine(args, model, task, cfg, folder, max_len: int) -> RolloutEngine:
+    """The `--engine` that samples (default: the run's `rollout.engine`, else native), synced
+    to the model's weights."""
+    name = args.engine or (cfg.rollout.engine if cfg is not None else "native")
     graphdef, params = models.split(model)
-    return graphdef, params, task, info, cfg
+    if name == "native":
+        return engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id)
+    _check_installed(name)
+    if folder is None:
+        raise config_lib.ConfigError("--engine vllm starts from a Hugging Face model folder, and "
+                                     "this run has none (model.path): use --engine native",
+                                     key="engine")
+    rollout = cfg.rollout if cfg is not None else config_lib.RolloutConfig()
+    engine = vllm_engine.VllmEngine(folder, model.cfg, graphdef,
+                                    dtype=jnp.dtype(model.compute_dtype).name,
+                                    memory=rollout.vllm_memory, max_len=max_len,
+                                    eos_ids=task.eos_ids, pad_id=task.pad_id, seed=args.seed)
+    engine.sync(params)
+    return engine
 
 
 def _problems(args, cfg, data_dir):
@@ -93,12 +117,22 @@ def _default_out(args, info) -> Path:
     return Path("eval_results") / Path(info["model"]).resolve().name
 
 
+def _check_installed(engine: str | None) -> None:
+    if engine == "vllm" and not vllm_engine.installed():
+        raise config_lib.ConfigError(f"--engine vllm needs vLLM, which is not installed: "
+                                     f"{vllm_engine.INSTALL}", key="engine")
+
+
 def run(args) -> dict[str, Any]:
     """Evaluates as `args` (from the command line) say; prints the table, writes the files."""
-    graphdef, params, task, info, cfg = _policy(args)
+    _check_installed(args.engine)  # before any work
+    model, task, info, cfg, folder = _policy(args)
     data_dir = args.data_dir or (cfg.eval.data_dir if cfg is not None else None)
     problems = _problems(args, cfg, data_dir)
     max_new = args.max_new_tokens or (cfg or config_lib.Config()).eval.max_new_tokens
+    longest = max(len(task.answer_prompt(p.problem)) for ps in problems.values() for p in ps)
+    engine = _engine(args, model, task, cfg, folder, longest + max_new)
+    info["engine"] = engine.name
     out_dir = _default_out(args, info)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"k": args.k, "temperature": args.temperature, "top_p": args.top_p,
@@ -114,7 +148,7 @@ def run(args) -> dict[str, Any]:
                             num_workers=args.reward_workers) as pool:
         pool.warm_up()
         result = eval_lib.evaluate_problems(
-            graphdef, params, task, problems, k=args.k, temperature=args.temperature,
+            engine, task, problems, k=args.k, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, max_new_tokens=max_new,
             key=jax.random.PRNGKey(args.seed), scorer=pool.score, batch_size=args.batch_size,
             progress=not args.no_progress, keep_samples=True)

@@ -10,7 +10,6 @@ job is a one-machine testbed); any other run is the plain training run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 from pathlib import Path
@@ -18,9 +17,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from sage_jax import models
 from sage_jax.infra import distributed, metrics as metrics_lib, parallel, wandb_log
 from sage_jax.jobs import report
-from sage_jax.engine import sampling
+from sage_jax.rl.types import RolloutEngine
 from sage_jax.run import build, loop, restore
 from sage_jax.tasks.toy import calibrate, chains as toy
 from sage_jax.tasks.toy.toy_config import ToyConfig
@@ -63,10 +63,14 @@ def is_default_toy_run(cfg) -> bool:
     return cfg.task.name == "toy" and not cfg.model.path
 
 
-def mesh_generate(cfg):
-    """`sampling.generate` on the run's mesh (`mesh.*`), parameters placed as the trainer places
-    them: the calibration and evaluation then run the sampling programs RL compiles anyway."""
-    return functools.partial(sampling.generate, mesh=parallel.make_mesh(cfg.mesh))
+def model_engine(cfg, model) -> RolloutEngine:
+    """The run's rollout engine (`rollout.engine`) on `model`'s weights, placed on the run's
+    mesh (`mesh.*`) as the trainer places them: the calibration and evaluation then run the
+    sampling programs RL compiles anyway."""
+    mesh = parallel.make_mesh(cfg.mesh)
+    graphdef, params = models.split(model)
+    params = jax.device_put(params, parallel.tree_shardings(params, mesh))
+    return build.rollout_engine(cfg, model.cfg, graphdef, params, make_task(cfg), mesh)
 
 
 def before_rl(cfg, workdir: str | Path, model) -> dict | None:
@@ -76,11 +80,11 @@ def before_rl(cfg, workdir: str | Path, model) -> dict | None:
     workdir = Path(workdir)
     print("calibration (step 0 policy on the RL prompt distribution):", flush=True)
     per_length = cfg.task.section(ToyConfig).calibrate_per_length
-    cal = calibrate.calibrate(model, spec=spec(cfg), task=make_task(cfg),
+    cal = calibrate.calibrate(model_engine(cfg, model), spec=spec(cfg), task=make_task(cfg),
                                   problems_per_length=per_length,
                                   group_size=cfg.rl.group_size, temperature=cfg.rl.temperature,
                                   seed=cfg.train.seed, method=cfg.rl.method,
-                                  hint_source=cfg.hint.source, generate=mesh_generate(cfg))
+                                  hint_source=cfg.hint.source)
     print(calibrate.format_calibration(cal), flush=True)
     if not cal["gate"]["passed"]:
         print("calibration gate: NOT passed (see above); continuing with RL anyway", flush=True)
@@ -114,8 +118,8 @@ def held_out_rewards(model, cfg, *, seed: int = 0) -> tuple[list[toy.ToyProblem]
     t = cfg.task.section(ToyConfig)
     problems = toy.held_out_problems(t.eval_per_length, spec(cfg))
     rewards, _ = calibrate.sample_rewards(
-        model, problems, group_size=t.eval_samples, temperature=cfg.rl.temperature,
-        key=jax.random.PRNGKey(77 + seed), generate=mesh_generate(cfg))
+        model_engine(cfg, model), problems, group_size=t.eval_samples,
+        temperature=cfg.rl.temperature, key=jax.random.PRNGKey(77 + seed))
     return problems, rewards
 
 

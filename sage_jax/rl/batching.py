@@ -1,65 +1,19 @@
-"""From token lists to arrays: left-padded prompts, the policy sampler adapter, the update's
-batch (packed, or padded where a caller needs it).
+"""From a rollout's token lists to the update's batch (packed, or padded where a caller needs
+it).
 
-Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), P prompt columns
-(a `sampling_plan.prompt_bucket` size), T answer columns (rl.max_new_tokens), L train-row columns
+Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), T answer columns
+(rl.max_new_tokens), L train-row columns
 (a `sampling_plan.length_bucket` of the longest prompt + answer: the same few sizes at every step,
 each one update program).
 """
 
 from __future__ import annotations
 
-
-import jax
 import numpy as np
 
 from sage_jax.core import grpo
-from sage_jax.engine import packing, sampling, sampling_plan, update
-from sage_jax.rl.types import Rollout, Samples
-
-
-class PolicySampler:
-    """The rollout's `GroupSampler` on the current policy: keys fold in (step, salt).
-
-    `params` are used where they are (the trainer's, on its mesh: no host round trip); `mesh`,
-    the mesh they live on, places prompt rows and KV caches on it (see `sampling`); None: no
-    placement (one device). `max_rows`: at most this many answer rows decode at once
-    (`rl.rollout_micro_batch_size`; None: all at once): a call samples its prompts in chunks of
-    whole groups, or with `continuous` (`rl.continuous_batching`) in one `sampling.sample`
-    call that refills finished rows' slots."""
-
-    def __init__(self, graphdef, params, *, key, step: int, eos_ids, pad_id: int, mesh=None,
-                 max_rows: int | None = None, continuous: bool = False):
-        self.graphdef, self.params, self.mesh, self.max_rows = graphdef, params, mesh, max_rows
-        self.continuous = continuous
-        self.key = jax.random.fold_in(key, step)
-        self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
-        self.generated_tokens = 0
-
-    def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, temperature,
-                 top_p, top_k) -> Samples:
-        per_call = len(prompts)
-        if self.max_rows is not None and not self.continuous:
-            per_call = max(1, self.max_rows // num_samples)
-        knobs = dict(salt=salt, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_p=top_p, top_k=top_k)
-        parts = [self._sample(prompts[i:i + per_call], prompt_ids[i:i + per_call], **knobs)
-                 for i in range(0, len(prompts), per_call)]
-        return parts[0] if len(parts) == 1 else Samples(
-            *(np.concatenate(x) for x in zip(*parts)))
-
-    def _sample(self, prompts, prompt_ids, *, salt, num_samples, max_new_tokens, temperature,
-                top_p, top_k) -> Samples:
-        length = sampling_plan.prompt_bucket(max(len(p) for p in prompts))
-        tok, mask = sampling.left_pad(prompts, length, self.pad_id)
-        out = sampling.sample(
-            self.graphdef, self.params, tok, mask, key=jax.random.fold_in(self.key, salt),
-            num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, eos_ids=self.eos_ids,
-            prompt_ids_B=np.asarray(prompt_ids, np.int32), pad_id=self.pad_id, mesh=self.mesh,
-            max_rows=self.max_rows)
-        self.generated_tokens += int(np.sum(out.lengths))  # host arrays, every process's rows
-        return Samples(out.tokens, out.lengths, out.logprobs)
+from sage_jax.engine import packing, sampling_plan, update
+from sage_jax.rl.types import Rollout
 
 
 def update_batch(ro: Rollout, settings: update.UpdateSettings, *, padding_free: bool,

@@ -1,6 +1,7 @@
-"""The contract of one RL step on the host: what the sampler returns (`Samples`), the sampler and
-scorer interfaces, the per-prompt SAGE tables, and a step's groups (`Rollout`). Rollout, batching
-and the trainer all use these; the first-pass status codes are `core.sage.COLLAPSE_*`."""
+"""The contract of one RL step on the host: what the sampler returns (`Samples`), the sampler,
+rollout-engine and scorer interfaces, the per-prompt SAGE tables, and a step's groups
+(`Rollout`). Rollout, batching and the trainer all use these; the first-pass status codes are
+`core.sage.COLLAPSE_*`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,32 @@ class GroupSampler(Protocol):
                  num_samples: int, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int) -> Samples:
         """G answers per prompt. Randomness derives from (step, prompt_ids[b], sample, salt)."""
+        ...
+
+
+class RolloutEngine(Protocol):
+    """What samples a run's answers (`rl.engines`: the native jit sampler; `run.vllm_engine`:
+    vLLM), built once per run from `rollout.engine`."""
+
+    name: str  # its `rollout.engine` value
+    trainer_logprobs: bool  # its log-probs are the trainer's model's (they may be old log-probs)
+
+    def sync(self, params) -> dict[str, float]:
+        """Samples with `params` (the policy's `nnx.State`) from now on; returns metrics."""
+        ...
+
+    def sample(self, prompts: Sequence[Sequence[int]], *, key: jax.Array, prompt_ids,
+               num_samples: int, max_new_tokens: int, temperature: float, top_p: float,
+               top_k: int) -> Samples:
+        """G answers per prompt; the answers of a prompt depend only on (key, its prompt id)."""
+        ...
+
+    def logprob_gap(self, ro: "Rollout") -> dict[str, float]:
+        """Metrics of how far the engine's log-probs of `ro`'s answers are from the trainer's
+        under the synced weights ({} where they are the trainer's own)."""
+        ...
+
+    def close(self) -> None:
         ...
 
 

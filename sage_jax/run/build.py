@@ -1,6 +1,6 @@
 """A run's pieces from its config: the task, the policy model at its starting point, the
-training examples and the one initial `TrainState` (parameters, optimiser, SAGE tables).
-Tasks come from `tasks.registry`; nothing here knows a task by name."""
+training examples, the one initial `TrainState` (parameters, optimiser, SAGE tables) and the
+rollout engine. Tasks come from `tasks.registry`; nothing here knows a task by name."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from jax.sharding import Mesh
 
 from sage_jax import config as config_lib, models
 from sage_jax.config import Config
-from sage_jax.engine import update
+from sage_jax.engine import programs, update
 from sage_jax.engine.state import TrainState
-from sage_jax.rl.types import SageTables
+from sage_jax.rl import engines
+from sage_jax.rl.types import RolloutEngine, SageTables
+from sage_jax.run import vllm_engine
 from sage_jax.tasks import data as data_lib, registry
 from sage_jax.tasks.base import Task
 from sage_jax.tasks.data import Example
@@ -83,3 +85,23 @@ def initial_state(model: models.Decoder, cfg: Config, mesh: Mesh, num_examples: 
     graphdef, state = update.init_train_state(model, update.UpdateSettings.of(cfg), mesh)
     tables = SageTables.empty(num_examples, cfg.hint.cache_bytes)
     return graphdef, state.replace(sage=tables.arrays())
+
+
+def check_rollout_engine(cfg: Config) -> None:
+    """A one-line `ConfigError` when `rollout.engine` cannot sample in this process (before any
+    work)."""
+    vllm_engine.check(cfg)
+
+
+def rollout_engine(cfg: Config, dims: models.DecoderConfig, graphdef: nnx.GraphDef,
+                   params: Any, task: Task, mesh: Mesh | None = None) -> RolloutEngine:
+    """The run's `rollout.engine`, synced to `params` (the policy of `graphdef`, of `dims`,
+    placed on `mesh`): `native` samples them where they are; `vllm` starts vLLM from
+    model.path."""
+    if cfg.rollout.engine == "vllm":
+        return vllm_engine.build(cfg, dims, graphdef, params, task.eos_ids, task.pad_id)
+    kept = (programs.budget(dims.num_layers) if cfg.rl.programs_kept is None
+            else cfg.rl.programs_kept)
+    return engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id,
+                                mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size,
+                                continuous=cfg.rl.continuous_batching, programs_kept=kept)

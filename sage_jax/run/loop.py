@@ -24,13 +24,13 @@ from sage_jax.infra import checkpoint, distributed, metrics as metrics_lib
 from sage_jax import config as config_lib
 from sage_jax.config import Config
 from sage_jax.infra import host_memory, parallel, provenance, rewards, wandb_log
-from sage_jax.engine import programs, update
+from sage_jax.engine import update
 from sage_jax.analysis import compile_check
 from sage_jax.engine.state import TrainState
 from sage_jax.eval import accuracy as eval_lib
-from sage_jax.rl import batching, rollout
-from sage_jax.rl.types import Rollout, SageTables
-from sage_jax.run import build, vllm_engine
+from sage_jax.rl import batching, engines, rollout
+from sage_jax.rl.types import Rollout, RolloutEngine, SageTables
+from sage_jax.run import build
 from sage_jax.tasks import data as data_lib, registry
 from sage_jax.tasks.base import Task
 from sage_jax.tasks.benchmarks import Problem
@@ -147,9 +147,8 @@ class _Run:
     scorer: distributed.ShardedScorer
     logger: metrics_lib.MetricsLogger
     eval_problems: dict[str, list[Problem]] | None
+    engine: RolloutEngine  # rollout.engine: samples every pass, validation too
     last_saved: int = 0
-    engine: vllm_engine.VllmSampler | None = None  # rollout.engine=vllm; None: the native sampler
-    programs_kept: int = programs.MAX_PROGRAMS  # compiled sampler programs kept between steps
 
     def save(self, step: int) -> None:
         if step != self.last_saved or self.ckpt.latest_step() is None:
@@ -157,6 +156,7 @@ class _Run:
             self.last_saved = step
 
     def close(self) -> None:
+        self.engine.close()
         self.logger.close()
         self.scorer.close()
         self.ckpt.close()
@@ -168,7 +168,7 @@ def train(cfg: Config, workdir: str | Path, *, stop_after: int | None = None) ->
     `stop_after`: stop (with a checkpoint) once this many steps are done in total.
     """
     check_hint_source(cfg)
-    vllm_engine.check(cfg)  # before anything starts: an engine that cannot run is one line
+    build.check_rollout_engine(cfg)  # before anything starts: one line if it cannot run
     run = _start(cfg, Path(workdir))
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, stop_after)
     metrics: dict = {}
@@ -230,8 +230,7 @@ def _start(cfg: Config, workdir: Path) -> _Run:
         state, _, step = resumed
         say(f"resumed from {ckpt.step_dir(step)}")
     start = int(state.step)
-    engine = (vllm_engine.build(cfg, model.cfg, state.params, task.eos_ids, task.pad_id)
-              if cfg.rollout.engine == "vllm" else None)
+    engine = build.rollout_engine(cfg, model.cfg, graphdef, state.params, task, mesh)
     scorer = distributed.ShardedScorer(rewards.RewardPool(  # each process scores its share
         reward, timeout_s=cfg.rl.reward_timeout_s))
     wandb_run = (wandb_log.WandbRun(workdir, cfg.logging, config_lib.to_dict(cfg))
@@ -247,9 +246,7 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 ckpt=ckpt,
                 step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
-                last_saved=start, engine=engine,
-                programs_kept=(programs.budget(model.cfg.num_layers)
-                               if cfg.rl.programs_kept is None else cfg.rl.programs_kept))
+                last_saved=start, engine=engine)
 
 
 def _resume_from(ckpt: checkpoint.Checkpointer, step: int | None, is_main: bool) -> None:
@@ -275,46 +272,38 @@ def _step(run: _Run, step: int) -> dict:
             int(run.state.data_position), cfg.rl.prompts_per_step, len(run.examples),
             cfg.train.seed, cfg.data.shuffle)
         batch_examples = [run.examples[i] for i in idx]
-        sampler = run.engine.at_step(step) if run.engine is not None else batching.PolicySampler(
-            run.graphdef, run.state.params, key=run.state.rng, step=step, eos_ids=task.eos_ids,
-            pad_id=task.pad_id, mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size,
-            continuous=cfg.rl.continuous_batching)
+        sampler = engines.StepSampler(run.engine, jax.random.fold_in(run.state.rng, step))
     ro = rollout.run(batch_examples, idx, task=task, sampler=_timed(sampler, timer, "sample"),
                      scorer=_timed(run.scorer.score, timer, "reward"), rl=cfg.rl,
                      hint=cfg.hint, tables=run.tables, step=step)
     with timer("host"):
         host_memory.trim()  # what sampling freed, before the update's peak
-        gap = ({} if run.engine is None else
-               vllm_engine.logprob_gap(run.graphdef, run.state.params, ro, task.pad_id))
         # The old log-probs are JAX's: another engine's are only compared with them (`gap`).
+        gap = run.engine.logprob_gap(ro)
         batch = batching.update_batch(ro, run.step_fn.settings, padding_free=cfg.rl.padding_free,
                                       loss_context=cfg.rl.loss_context,
                                       adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
                                       sampler_logprobs=cfg.rl.old_logprobs == "sampler"
-                                      and cfg.rl.loss_context == "hinted" and run.engine is None)
+                                      and cfg.rl.loss_context == "hinted"
+                                      and run.engine.trainer_logprobs)
     with timer("update"):
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(
             {k: v[parallel.local_rows(len(v), mesh)] for k, v in batch.items()}, mesh))
         upd = jax.device_get(upd)
     with timer("host"):
-        held = programs.compiled()  # new prompt lengths compile more of them
-        dropped = programs.drop(run.programs_kept)
-        host_memory.trim()
         run.state = state.replace(data_position=parallel.replicate(np.int32(position), mesh))
-        if run.engine is not None:  # the updated policy samples the next step
-            with timer("sync"):  # time/sync_s: a part of time/host_s, not a phase of its own
-                run.engine.load(run.state.params)
+        with timer("sync"):  # time/sync_s: a part of time/host_s, not a phase of its own
+            synced = run.engine.sync(run.state.params)  # the updated policy samples next
+        host_memory.trim()
     _check_finite(upd, step, run.last_saved, run.workdir)
     elapsed = time.perf_counter() - t_step
     metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics, **gap,
                **{k: float(v) for k, v in upd.items()}, **timer.metrics(),
-               "time/step_s": elapsed, "tokens/sampled": sampler.generated_tokens,
-               "programs/held": held, "programs/dropped": int(dropped),
+               **synced, "time/step_s": elapsed, "tokens/sampled": sampler.generated_tokens,
                "throughput/tokens_per_s": sampler.generated_tokens / elapsed}
     if run.eval_problems and (step + 1) % cfg.eval.every == 0:
-        metrics.update(run_eval(cfg, run.graphdef, run.state.params, task, run.eval_problems,
-                                run.scorer))
+        metrics.update(run_eval(cfg, run.engine, task, run.eval_problems, run.scorer))
     run.logger.log(step + 1, metrics)
     run.logger.log_groups(step + 1, group_record(ro, idx, cfg.rl.success_threshold))
     if cfg.train.samples_every and (step + 1) % cfg.train.samples_every == 0:
@@ -343,13 +332,14 @@ def load_eval_problems(cfg: Config) -> dict[str, list[Problem]]:
                                   limit=cfg.eval.limit)
 
 
-def run_eval(cfg: Config, graphdef: nnx.GraphDef, params: nnx.State, task: Task,
+def run_eval(cfg: Config, engine: RolloutEngine, task: Task,
              problems: dict[str, list[Problem]], scorer: distributed.ShardedScorer
              ) -> dict[str, float]:
-    """No-hint validation: `eval/<benchmark>/avg@k` (and pass@k) with a fixed key."""
+    """No-hint validation by the run's engine (synced to the policy): `eval/<benchmark>/avg@k`
+    (and pass@k) with a fixed key."""
     e = cfg.eval
     result = eval_lib.evaluate_problems(
-        graphdef, params, task, problems, k=e.k, temperature=e.temperature, top_p=e.top_p,
+        engine, task, problems, k=e.k, temperature=e.temperature, top_p=e.top_p,
         max_new_tokens=e.max_new_tokens, key=jax.random.PRNGKey(cfg.train.seed + 7),
         scorer=scorer.score)
     return eval_lib.eval_metrics(result)

@@ -1,14 +1,14 @@
-"""`rollout.engine=vllm`: vLLM as the rollout's `GroupSampler` (an optional extra,
+"""`rollout.engine=vllm`: vLLM as the run's `RolloutEngine` (an optional extra,
 `pip install 'sage_jax[vllm]'` or `pip install -r requirements-vllm.txt`).
 
 `check` runs before a run starts: without vLLM installed the key fails in one line naming the
-extra. `VllmSampler` runs vLLM's engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
+extra. `VllmEngine` runs vLLM's engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
 built from the run's Hugging Face model folder, and samples a call's answers with one seed per
-prompt (from the step, the prompt's id and the call's salt). `load` gives it the policy's
-weights: the export's tensors (`models.hf_tensors`, the names of model.safetensors), handed over
-through DLPack (no host copy on a GPU) to vLLM's in-place reload. Its log-probs are of the raw
-logits, as the native sampler's; the update's old log-probs stay JAX's, and `logprob_gap`
-compares the two. docs/running.md, "Rollouts with vLLM", says what is tested and measured.
+prompt (from the call's key and the prompt's id). `sync` gives it the policy's weights: the
+export's tensors (`models.hf_tensors`, the names of model.safetensors), handed over through
+DLPack (no host copy on a GPU) to vLLM's in-place reload. Its log-probs are of the raw logits,
+as the native sampler's; the update's old log-probs stay JAX's, and `logprob_gap` compares the
+two. docs/running.md, "Rollouts with vLLM", says what is tested and measured.
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ def check(cfg: Config) -> None:
                           key="rollout.engine")
 
 
-def build(cfg: Config, dims: models.DecoderConfig, params: Any, eos_ids: Sequence[int],
-          pad_id: int) -> "VllmSampler":
+def build(cfg: Config, dims: models.DecoderConfig, graphdef, params: Any,
+          eos_ids: Sequence[int], pad_id: int) -> "VllmEngine":
     """The run's vLLM engine, started from model.path and given `params` (a resumed run's)."""
     if not cfg.model.path or jax.process_count() > 1:
         raise ConfigError("rollout.engine=vllm runs in one process on a Hugging Face model "
                           "(model.path); use rollout.engine=native here", key="rollout.engine")
     longest = max(update.row_len(cfg), cfg.hint.max_request_tokens + cfg.hint.max_new_tokens)
-    sampler = VllmSampler(models.hub.resolve(cfg.model.path), dims, dtype=cfg.model.compute_dtype,
-                          memory=cfg.rollout.vllm_memory, max_len=longest, eos_ids=eos_ids,
-                          pad_id=pad_id, seed=cfg.train.seed)
-    sampler.load(params)
-    return sampler
+    engine = VllmEngine(models.hub.resolve(cfg.model.path), dims, graphdef,
+                        dtype=cfg.model.compute_dtype, memory=cfg.rollout.vllm_memory,
+                        max_len=longest, eos_ids=eos_ids, pad_id=pad_id, seed=cfg.train.seed)
+    engine.sync(params)
+    return engine
 
 
 def logprob_gap(graphdef, params, ro: Rollout, pad_id: int) -> dict[str, float]:
@@ -77,9 +77,11 @@ def _token_logprobs(graphdef, params, tokens_NxL, mask_NxL, need_NxL):
     return grpo.token_logprobs(graphdef, params, tokens_NxL, mask_NxL, need_NxL=need_NxL)
 
 
-def row_seed(step: int, prompt_id: int, salt: int) -> int:
-    """The seed of one prompt's answers in one sampling call (a rerun draws the same ones)."""
-    return zlib.crc32(f"{step}/{prompt_id}/{salt}".encode()) & 0x7FFFFFFF
+def row_seed(key: jax.Array, prompt_id: int) -> int:
+    """The seed of one prompt's answers in one sampling call, from the call's key (a rerun
+    draws the same ones)."""
+    bits = np.asarray(jax.random.key_data(key)).tobytes()
+    return zlib.crc32(bits + int(prompt_id).to_bytes(8, "little", signed=True)) & 0x7FFFFFFF
 
 
 def _as_torch(t: jax.Array):
@@ -107,16 +109,21 @@ def _repack_vocab_layers(model) -> int:
     return len(layers)
 
 
-class VllmSampler:
-    """The rollout's `GroupSampler` on vLLM's engine, in this process.
+class VllmEngine:
+    """The run's `RolloutEngine` on vLLM's engine, in this process.
 
     `model_dir`: the Hugging Face folder the engine starts from (its tokenizer is not used: the
-    prompts are token ids); `dtype` its weights' dtype; `memory` the share of the accelerator's
-    memory vLLM may take (`rollout.vllm_memory`; on CPU, `VLLM_CPU_KVCACHE_SPACE` GiB apply);
-    `max_len` the longest prompt + answer."""
+    prompts are token ids); `graphdef` the trainer's model definition of `dims` (for
+    `logprob_gap`); `dtype` the engine's weights' dtype; `memory` the share of the
+    accelerator's memory vLLM may take (`rollout.vllm_memory`; on CPU,
+    `VLLM_CPU_KVCACHE_SPACE` GiB apply); `max_len` the longest prompt + answer."""
 
-    def __init__(self, model_dir: str | Path, dims: models.DecoderConfig, *, dtype: str,
-                 memory: float, max_len: int, eos_ids: Sequence[int], pad_id: int, seed: int = 0):
+    name = "vllm"
+    trainer_logprobs = False  # another engine's numerics: the old log-probs stay JAX's
+
+    def __init__(self, model_dir: str | Path, dims: models.DecoderConfig, graphdef=None, *,
+                 dtype: str, memory: float, max_len: int, eos_ids: Sequence[int], pad_id: int,
+                 seed: int = 0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import vllm  # pyright: ignore[reportMissingImports]  # the optional extra, only here
 
@@ -124,17 +131,10 @@ class VllmSampler:
         self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed,
                             gpu_memory_utilization=memory, max_model_len=max_len,
                             enable_prefix_caching=False, skip_tokenizer_init=True)
-        self.dims = dims
+        self.dims, self.graphdef, self.params = dims, graphdef, None
         self.eos_ids, self.pad_id = tuple(int(e) for e in eos_ids), int(pad_id)
-        self.step = 0
-        self.generated_tokens = 0
 
-    def at_step(self, step: int) -> "VllmSampler":
-        """This sampler for RL step `step` (its seeds fold it in); the token count restarts."""
-        self.step, self.generated_tokens = int(step), 0
-        return self
-
-    def load(self, params: Any) -> None:
+    def sync(self, params: Any) -> dict[str, float]:
         """Gives the engine the policy's weights (the `nnx.State` of a `Decoder` of `dims`)."""
         weights = [(name, _as_torch(t)) for name, t in models.hf_tensors(self.dims, params).items()]
         # vLLM's in-place reload: checkpoint-format tensors through each layer's weight loader,
@@ -143,13 +143,15 @@ class VllmSampler:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                           "is_checkpoint_format": True})
         self.llm.apply_model(_repack_vocab_layers)
+        self.params = params
+        return {}
 
-    def __call__(self, prompts, *, prompt_ids, salt, num_samples, max_new_tokens, temperature,
-                 top_p, top_k) -> Samples:
+    def sample(self, prompts, *, key, prompt_ids, num_samples, max_new_tokens, temperature,
+               top_p, top_k) -> Samples:
         vllm = self._vllm
         knobs = [vllm.SamplingParams(
             n=num_samples, temperature=temperature, top_p=top_p, top_k=top_k or -1,
-            max_tokens=max_new_tokens, seed=row_seed(self.step, int(pid), salt), logprobs=0,
+            max_tokens=max_new_tokens, seed=row_seed(key, int(pid)), logprobs=0,
             stop_token_ids=list(self.eos_ids), detokenize=False) for pid in prompt_ids]
         outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
                                  knobs, use_tqdm=False)
@@ -163,8 +165,16 @@ class VllmSampler:
                 tokens[i, j, :len(ids)] = ids
                 lengths[i, j] = len(ids)
                 logprobs[i, j, :len(ids)] = [step[t].logprob for step, t in zip(c.logprobs, ids)]
-        self.generated_tokens += int(lengths.sum())
         return Samples(tokens, lengths, logprobs)
+
+    def logprob_gap(self, ro: Rollout) -> dict[str, float]:
+        """`logprob_gap` of `ro` under the synced weights."""
+        if self.graphdef is None or self.params is None:
+            return {}
+        return logprob_gap(self.graphdef, self.params, ro, self.pad_id)
+
+    def close(self) -> None:
+        pass
 
     def sequence_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
         """log p(tokens[t] | tokens[<t]) for t >= 1 under the engine's weights (0 at t = 0)."""

@@ -1,14 +1,15 @@
 """SFT trainer: batches and masks, loss goes down, early stop; toy teacher-forced metrics."""
 
-import types
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from sage_jax import models
 from sage_jax.engine import sft_step as sft
 from sage_jax.models.decoder import Decoder
+from sage_jax.rl import engines
+from sage_jax.rl.types import Samples
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.toy import calibrate as toy_calibrate
 
@@ -101,8 +102,10 @@ def test_teacher_forced_probabilities_are_consistent():
 @pytest.mark.slow
 def test_calibrate_reports_every_number_and_the_gate():
     model = _tiny()
-    cal = toy_calibrate.calibrate(model, spec=toy.ToySpec(2, 3), problems_per_length=2,
-                                  group_size=2, levels=(1, 3))
+    task = toy.ToyTask()
+    engine = engines.NativeEngine(*models.split(model), eos_ids=task.eos_ids, pad_id=task.pad_id)
+    cal = toy_calibrate.calibrate(engine, task=task, spec=toy.ToySpec(2, 3),
+                                  problems_per_length=2, group_size=2, levels=(1, 3))
     assert cal["lengths"] == [2, 3] and cal["problems"] == 4
     assert set(cal["pass_by_level"]) == {0, 1, 3}
     assert set(cal["all_zero_by_k"]) == {2, 3} and 0 <= cal["all_zero"] <= 1
@@ -113,7 +116,7 @@ def test_calibrate_reports_every_number_and_the_gate():
 
 
 class ScriptedToyPolicy:
-    """A `generate` double on the toy formats: bare prompts get a wrong answer, level-3 hinted
+    """A `RolloutEngine` double on the toy formats: bare prompts get a wrong answer, level-3 hinted
     prompts the right continuation (so groups collapse and hints help), and hint requests the
     reference payload (`copies`) or one with every digit off by one."""
 
@@ -138,23 +141,24 @@ class ScriptedToyPolicy:
             return toy.continuation(p, hint)
         return "a=0+0=0;A:0"
 
-    def __call__(self, model, prompts, *, max_new_tokens, num_samples, **kw):
-        del model, kw
+    def sample(self, prompts, *, max_new_tokens, num_samples, **kw):
+        del kw
         rows = [self.task.encode_answer(self.answer(self.task.tok.decode(p)))[:max_new_tokens]
                 for p in prompts for _ in range(num_samples)]
         tokens = np.zeros((len(rows), max_new_tokens), np.int32)
         for r, ids in enumerate(rows):
             tokens[r, :len(ids)] = ids
-        return types.SimpleNamespace(tokens=tokens, lengths=np.asarray([len(x) for x in rows]))
+        lengths = np.asarray([len(x) for x in rows])
+        return Samples(tokens.reshape(len(prompts), num_samples, -1),
+                       lengths.reshape(len(prompts), num_samples), np.zeros(tokens.shape))
 
 
 @pytest.mark.parametrize("hint_format", ["payload", "level"])
 @pytest.mark.parametrize("copies", [True, False])
 def test_gate_fails_when_the_policy_cannot_write_its_hints(copies, hint_format):
     policy = ScriptedToyPolicy(copies, hint_format)
-    kw = dict(spec=toy.ToySpec(4, 6), problems_per_length=3, group_size=2, generate=policy,
-              task=policy.task)
-    cal = toy_calibrate.calibrate(None, method="sage", hint_source="online", **kw)
+    kw = dict(spec=toy.ToySpec(4, 6), problems_per_length=3, group_size=2, task=policy.task)
+    cal = toy_calibrate.calibrate(policy, method="sage", hint_source="online", **kw)
     assert cal["hint_leaked"] == 0 and (cal["hint_parse_rate"] == 1.0 or not copies)
     assert cal["gate"]["all_zero"] and cal["gate"]["l3_above_no_hint"]
     assert cal["hint_write_acc"] == ({1: 1.0, 2: 1.0, 3: 1.0} if copies
@@ -163,8 +167,8 @@ def test_gate_fails_when_the_policy_cannot_write_its_hints(copies, hint_format):
     notes = "\n".join(cal["gate_notes"])
     assert ("degenerates to GRPO" in notes) is not copies
     # auto picks the policy's own hints only when they are right; GRPO has nothing to check
-    auto = toy_calibrate.calibrate(None, method="sage", hint_source="auto", **kw)
+    auto = toy_calibrate.calibrate(policy, method="sage", hint_source="auto", **kw)
     assert auto["hint_source"] == ("online" if copies else "reference")
     assert auto["gate"]["passed"]  # reference hints need no writing skill
-    grpo = toy_calibrate.calibrate(None, method="grpo", hint_source="online", **kw)
+    grpo = toy_calibrate.calibrate(policy, method="grpo", hint_source="online", **kw)
     assert grpo["gate"]["self_hints"] and grpo["gate"]["passed"]

@@ -12,6 +12,7 @@ import eval_fixtures
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax import evaluate, models
 from sage_jax.infra import provenance, rewards
+from sage_jax.rl import engines
 from sage_jax.tasks.math_grading import extract_boxed, math_reward_checked
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.benchmarks import Problem, load_benchmark
@@ -119,8 +120,10 @@ def test_evaluate_problems_maps_scores_back_through_the_length_sort(tiny_toy_pol
             "n": len(truths), "timeouts": 1}
 
     def run(batch_size):
+        engine = engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids,
+                                      pad_id=task.pad_id)
         return eval_lib.evaluate_problems(
-            graphdef, params, task, problems, k=k, temperature=1.0, top_p=1.0,
+            engine, task, problems, k=k, temperature=1.0, top_p=1.0,
             max_new_tokens=max_new, key=jax.random.PRNGKey(0), scorer=scorer,
             batch_size=batch_size, keep_samples=True)
 
@@ -166,8 +169,10 @@ def test_evaluate_problems_with_the_real_math_checker(tiny_toy_policy):
     graphdef, params = tiny_toy_policy
     problems = _two_benchmarks(["12", "12.0", "13", "\\frac{24}{2}", "-12"])
     with rewards.RewardPool(math_reward_checked, num_workers=1) as pool:
+        task = _BoxedTwelve()
+        engine = engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id)
         res = eval_lib.evaluate_problems(
-            graphdef, params, _BoxedTwelve(), problems, k=2, temperature=1.0, top_p=1.0,
+            engine, task, problems, k=2, temperature=1.0, top_p=1.0,
             max_new_tokens=8, key=jax.random.PRNGKey(0), scorer=pool.score, keep_samples=True)
     # a: answers 12, 13, -12 -> one of three right; b: 12.0, 24/2 -> both right.
     assert res["benchmarks"]["a"]["avg@k"] == pytest.approx(1 / 3)
@@ -221,6 +226,7 @@ def test_cli_end_to_end_on_a_tiny_qwen_with_a_real_tokenizer(tiny_qwen, shared_d
         assert 0 <= m["avg@k"] <= m["pass@k"] <= 1
         assert 1 <= m["mean_length"] <= 8 and 0 <= m["truncated_frac"] <= 1
     assert results["settings"]["hints"] is False and results["settings"]["k"] == 2
+    assert results["engine"] == "native"  # --engine's default without a run's config
     assert results["system_prompt"].startswith("Please reason step by step")
     assert results["average"]["benchmarks"] == ["aime24", "amc23"]
     assert (out / "table.txt").read_text().startswith("benchmark")

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from sage_jax.run import loop
-from sage_jax.rl import batching, rollout
+from sage_jax.rl import batching, engines, rollout
 from sage_jax import config, models
 from sage_jax.infra import parallel
 from sage_jax.core import grpo
@@ -64,8 +64,9 @@ def one_step(shape):
                                               settings_of(CFG), mesh)
     idx = np.arange(PROMPTS)
     tables = rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes)
-    sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
-                                     eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh)
+    sampler = engines.StepSampler(engines.NativeEngine(
+        graphdef, state.params, eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh),
+        jax.random.fold_in(state.rng, 0))
     ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
                      scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint, tables=tables,
                      step=0)
@@ -154,8 +155,9 @@ def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
 
     graphdef, state = fresh()
     idx = np.arange(PROMPTS)
-    sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
-                                     eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh)
+    sampler = engines.StepSampler(engines.NativeEngine(
+        graphdef, state.params, eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh),
+        jax.random.fold_in(state.rng, 0))
     ro = rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
                      scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
                      tables=rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes),
@@ -183,9 +185,9 @@ def test_sampler_logprobs_as_old_logprobs_give_the_recomputed_step():
 def policy_rollout(graphdef, state, mesh, idx, max_rows, continuous=False):
     """The toy rollout of EXAMPLES[idx] on the policy, `max_rows` rows decoding at once."""
     task = toy.ToyTask()
-    sampler = batching.PolicySampler(graphdef, state.params, key=state.rng, step=0,
-                                     eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh,
-                                     max_rows=max_rows, continuous=continuous)
+    sampler = engines.StepSampler(engines.NativeEngine(
+        graphdef, state.params, eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh,
+        max_rows=max_rows, continuous=continuous), jax.random.fold_in(state.rng, 0))
     return rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
                        scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
                        tables=rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes),

@@ -313,3 +313,63 @@ def test_a_stop_signal_also_reaches_a_handler_the_caller_installed():
         assert stop.requested
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+class _CountingEngine:
+    """A `RolloutEngine` that passes everything to the run's own and counts it."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+        self.name, self.trainer_logprobs = inner.name, inner.trainer_logprobs
+
+    def sync(self, params):
+        self.log.append("sync")
+        return self.inner.sync(params)
+
+    def sample(self, prompts, **kw):
+        self.log.append("sample")
+        _inside.append(True)
+        try:
+            return self.inner.sample(prompts, **kw)
+        finally:
+            _inside.pop()
+
+    def logprob_gap(self, ro):
+        return self.inner.logprob_gap(ro)
+
+    def close(self):
+        self.log.append("close")
+
+
+_inside: list = []
+
+
+@pytest.mark.slow
+def test_every_pass_and_the_validation_sample_through_the_one_engine_of_the_run(tmp_path,
+                                                                               monkeypatch):
+    """`build.rollout_engine` is called once; the first pass, hint writing, the re-samples and
+    the validation all sample through it (no sampler call outside it), and it is synced after
+    every update and closed at the end."""
+    from sage_jax.engine import sampling
+    from sage_jax.run import build
+    log, outside = [], []
+    real_engine, real_sample = build.rollout_engine, sampling.sample
+
+    def engine(*args, **kwargs):
+        log.append("build")
+        return _CountingEngine(real_engine(*args, **kwargs), log)
+
+    def sample(*args, **kwargs):
+        if not _inside:
+            outside.append(1)
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(build, "rollout_engine", engine)
+    monkeypatch.setattr(sampling, "sample", sample)
+    loop.train(cfg("rl.method=sage", "train.steps=2", "eval.every=2", "eval.k=2", "eval.limit=4",
+                   "eval.max_new_tokens=16"), tmp_path)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert "eval/toy/avg@2" in rows[1] and rows[0]["hint/prompts_needing_hint"] > 0
+    assert log[0] == "build" and log.count("build") == 1 and log[-1] == "close"
+    assert log.count("sync") == 2 and log.count("sample") >= 4  # passes, hints, validation
+    assert not outside

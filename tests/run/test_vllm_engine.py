@@ -17,10 +17,10 @@ import pytest
 import transformers
 from flax import nnx
 
-from sage_jax import config, models, train
+from sage_jax import config, evaluate, models, train
 from sage_jax.bench import workloads
 from sage_jax.core import grpo
-from sage_jax.rl import batching
+from sage_jax.rl import engines
 from sage_jax.rl.types import Rollout, Samples
 from sage_jax.run import vllm_engine
 
@@ -46,6 +46,18 @@ def test_without_vllm_the_key_fails_in_one_line_naming_the_extra(tmp_path, capsy
     assert err[0].startswith("error: rollout.engine=vllm needs vLLM, which is not installed")
     assert "sage_jax[vllm]" in err[0] and "requirements-vllm.txt" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+@needs_no_vllm
+def test_evaluate_with_the_vllm_engine_fails_in_one_line_without_vllm(tmp_path, capsys):
+    """Before any work: nothing is loaded or written."""
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", str(tmp_path / "no_model"), "--engine", "vllm",
+                       "--benchmarks", "gsm8k",
+                       "--out", str(tmp_path / "eval"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("error: --engine vllm needs vLLM"), err
+    assert not (tmp_path / "eval").exists()
 
 
 def test_the_logprob_gap_is_the_engines_distance_from_jax_over_first_answers():
@@ -98,9 +110,10 @@ def smol(smollm2_dir):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: this machine is shared
     model = models.from_hf(smollm2_dir, dtype=jnp.float32)
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-    engine = vllm_engine.VllmSampler(smollm2_dir, model.cfg, dtype="float32", memory=0.3,
-                                     max_len=1024, eos_ids=[tok.eos_token_id],
-                                     pad_id=tok.pad_token_id or 0)
+    graphdef, params = models.split(model)
+    engine = vllm_engine.VllmEngine(smollm2_dir, model.cfg, graphdef, dtype="float32",
+                                    memory=0.3, max_len=1024, eos_ids=[tok.eos_token_id],
+                                    pad_id=tok.pad_token_id or 0)
     return smollm2_dir, model, tok, engine
 
 
@@ -112,12 +125,12 @@ def test_greedy_outputs_equal_the_native_samplers(smol, shared_data):
     folder, model, tok, engine = smol
     w = workloads.load_workload("real")
     prompts = workloads.chat_prompts(w, tok, shared_data)[:8]
-    knobs = dict(prompt_ids=np.arange(8), salt=0, num_samples=1, max_new_tokens=128,
-                 temperature=0.0, top_p=1.0, top_k=0)
+    knobs = dict(key=jax.random.PRNGKey(0), prompt_ids=np.arange(8), num_samples=1,
+                 max_new_tokens=128, temperature=0.0, top_p=1.0, top_k=0)
     graphdef, params = models.split(model)
-    native = batching.PolicySampler(graphdef, params, key=jax.random.PRNGKey(0), step=0,
-                                    eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id or 0)
-    ours, theirs = native(prompts, **knobs), engine.at_step(0)(prompts, **knobs)
+    native = engines.NativeEngine(graphdef, params, eos_ids=[tok.eos_token_id],
+                                  pad_id=tok.pad_token_id or 0)
+    ours, theirs = native.sample(prompts, **knobs), engine.sample(prompts, **knobs)
     assert workloads.lengths_sha1(theirs.lengths.ravel()) == workloads.lengths_sha1(
         ours.lengths.ravel()), (theirs.lengths.ravel(), ours.lengths.ravel())
     same = ours.tokens == theirs.tokens
@@ -131,7 +144,7 @@ def test_greedy_outputs_equal_the_native_samplers(smol, shared_data):
 def test_synced_weights_give_jaxs_logprobs_and_unsynced_ones_do_not(smol):
     """After an update (here: every weight moved by noise of 1% of its scale), the engine's
     log-probs of a fixed sequence equal JAX's under the new weights to float32 tolerance once
-    `load` handed them over; before, they were the old weights' (and differ)."""
+    `sync` handed them over; before, they were the old weights' (and differ)."""
     folder, model, tok, engine = smol
     graphdef, params = models.split(model)
     keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(params))))
@@ -149,12 +162,36 @@ def test_synced_weights_give_jaxs_logprobs_and_unsynced_ones_do_not(smol):
     want = jax_logp(moved)
     assert np.abs(before - want).max() > 1e-2  # the unsynced engine differs
     moved_copy = jax.tree.map(np.array, moved)
-    engine.load(moved)
+    engine.sync(moved)
     after = engine.sequence_logprobs(seq)[1:]
     assert np.abs(after - want).max() < 1e-3, np.abs(after - want)
     # The hand-over shares JAX's buffers (DLPack): vLLM only read them.
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, moved, moved_copy)))
-    engine.load(params)  # the module's engine back on the checkpoint's weights
+    engine.sync(params)  # the module's engine back on the checkpoint's weights
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_evaluate_with_the_vllm_engine_gives_the_native_engines_greedy_answers(
+        smollm2_dir, shared_data, tmp_path):
+    """`python -m sage_jax.evaluate --engine vllm` on SmolLM2, greedy: the same completions and
+    scores as `--engine native`."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: this machine is shared
+    got = {}
+    for engine in ("native", "vllm"):
+        out = tmp_path / engine
+        run = subprocess.run([
+            sys.executable, "-m", "sage_jax.evaluate", "--model", str(smollm2_dir),
+            "--engine", engine, "--data-dir", str(shared_data), "--benchmarks", "gsm8k",
+            "--limit", "4", "--k", "1", "--temperature", "0", "--top-p", "1",
+            "--max-new-tokens", "48", "--dtype", "float32", "--out", str(out), "--no-progress",
+            "--reward-workers", "1"], env=env, capture_output=True, text=True, timeout=1800)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert json.loads((out / "results.json").read_text())["engine"] == engine
+        got[engine] = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["completion"] for s in got["vllm"]] == [s["completion"] for s in got["native"]]
+    assert [s["score"] for s in got["vllm"]] == [s["score"] for s in got["native"]]
 
 
 @needs_vllm

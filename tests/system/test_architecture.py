@@ -367,3 +367,15 @@ def test_update_batch_split_unpacks_as_its_letters():
                 assert all(n in (want, "_") for n, want in zip(names, "mur")), (path, names)
                 seen += 1
     assert seen >= 3
+
+
+def test_the_training_loop_names_no_rollout_engine():
+    """The loop samples through `types.RolloutEngine` only (built by `run.build`): it names no
+    engine, imports no sampler, and has no branch on which engine runs."""
+    src = (PACKAGE / "run" / "loop.py").read_text()
+    named = [w for w in ("vllm", "Vllm", "NativeEngine", "PolicySampler", "engine is None",
+                         "engine is not None", "cfg.rollout.engine", "sampling.")
+             if w in src]
+    assert not named, named
+    imported = {t for t in GRAPH["sage_jax.run.loop"][0]}
+    assert not imported & {"sage_jax.run.vllm_engine", "sage_jax.engine.sampling"}, imported

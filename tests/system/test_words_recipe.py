@@ -14,7 +14,7 @@ import pytest
 
 from sage_jax import models
 from sage_jax.infra import metrics as metrics_lib
-from sage_jax.rl import batching, rollout
+from sage_jax.rl import engines, rollout
 from sage_jax.run import build
 from sage_jax.tasks.words import words_plugin as plugin
 from sage_jax.tasks.words import problems as wp
@@ -44,8 +44,8 @@ def test_the_warm_start_writes_hints_that_parse_and_match_the_reference(cfg):
     examples = [plugin.to_example(p, i) for i, p in enumerate(
         wp.make_problems(4, min_steps=2, max_steps=3, seed=99, per_length=True))]
     graphdef, params = models.split(model)
-    sampler = batching.PolicySampler(graphdef, params, key=jax.random.PRNGKey(0), step=0,
-                                     eos_ids=task.eos_ids, pad_id=task.pad_id)
+    engine = engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id)
+    sampler = engines.StepSampler(engine, jax.random.fold_in(jax.random.PRNGKey(0), 0))
     written, counts, _ = rollout.write_hints(range(len(examples)), examples, task, sampler,
                                              cfg.hint, dataset_ids=np.arange(len(examples)))
     assert counts["requests"] == 4 * 1 + 4 * 2  # 2 steps: level 1; 3 steps: levels 1 and 2

@@ -27,7 +27,7 @@ from flax import nnx
 
 from sage_jax.config import HINTED_METHODS
 from sage_jax.core import sage
-from sage_jax.engine import sampling, sft_step as sft
+from sage_jax.engine import sft_step as sft
 from sage_jax.models.decoder import Decoder
 from sage_jax.tasks.toy import chains as toy
 
@@ -237,24 +237,35 @@ def max_payload_tokens(k: int) -> int:
     return STEP_CHARS * (1 + k // 2 + k) + 32
 
 
-def sample_rewards(model: Decoder, problems: Sequence[toy.ToyProblem], *, group_size: int,
+def _rows(engine, prompts, *, key, prompt_ids, num_samples: int, max_new_tokens: int,
+          temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [N*G, T], lengths [N*G]) of `engine.sample` (a `RolloutEngine`'s contract),
+    one row per answer, prompt-major."""
+    got = engine.sample(prompts, key=key, prompt_ids=np.asarray(prompt_ids, np.int32),
+                        num_samples=num_samples, max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_p=1.0, top_k=0)
+    return (np.asarray(got.tokens).reshape(-1, got.tokens.shape[-1]),
+            np.asarray(got.lengths).reshape(-1))
+
+
+def sample_rewards(engine, problems: Sequence[toy.ToyProblem], *, group_size: int,
                    temperature: float = 1.0, key=None, level: int = 0,
-                   task: toy.ToyTask | None = None, generate=None, prompt_ids=None):
-    """Rewards [N, group_size] of sampled answers to `problems` (with the level's reference hint
-    in the prompt when `level` > 0; every problem must have that level) and the texts [N*G]."""
+                   task: toy.ToyTask | None = None, prompt_ids=None):
+    """Rewards [N, group_size] of answers to `problems` sampled by `engine` (a
+    `RolloutEngine`, e.g. `rl.engines.NativeEngine` on the policy, with the task's EOS and
+    padding) with the level's reference hint in the prompt when `level` > 0 (every problem
+    must have that level), and the texts [N*G]."""
     task = task or toy.ToyTask()
-    generate = generate or sampling.generate
     if level:
         prompts = [task.hinted_prompt(p.text, toy.reference_hints(p)[level]) for p in problems]
     else:
         prompts = [task.answer_prompt(p.text) for p in problems]
     kmax = max(p.k for p in problems)
     ids = np.arange(len(problems)) if prompt_ids is None else prompt_ids
-    got = generate(model, prompts, max_new_tokens=max_answer_tokens(kmax),
-                   temperature=temperature, top_p=1.0, top_k=0, eos_token_id=task.eos_ids,
-                   key=jax.random.PRNGKey(0) if key is None else key, num_samples=group_size,
-                   prompt_ids=np.asarray(ids, np.int32), pad_id=task.pad_id)
-    texts = [task.decode(got.tokens[r, :got.lengths[r]]) for r in range(len(got.lengths))]
+    tokens, lengths = _rows(engine, prompts, key=jax.random.PRNGKey(0) if key is None else key,
+                            prompt_ids=ids, num_samples=group_size,
+                            max_new_tokens=max_answer_tokens(kmax), temperature=temperature)
+    texts = [task.decode(tokens[r, :lengths[r]]) for r in range(len(lengths))]
     truths = [toy.continuation(p, toy.reference_hints(p)[level] if level else None)
               for p in problems]
     r = np.asarray([toy.toy_reward(t, truths[r // group_size])
@@ -262,27 +273,26 @@ def sample_rewards(model: Decoder, problems: Sequence[toy.ToyProblem], *, group_
     return r.reshape(len(problems), group_size), texts
 
 
-def hint_write_accuracy(model: Decoder, problems: Sequence[toy.ToyProblem], *,
-                        task: toy.ToyTask | None = None, generate=None, temperature: float = 0.0,
+def hint_write_accuracy(engine, problems: Sequence[toy.ToyProblem], *,
+                        task: toy.ToyTask | None = None, temperature: float = 0.0,
                         key=None, levels: Sequence[int] = (1, 2, 3)) -> dict:
-    """The policy answers the task's hint requests (`task.hint_requests`: one JSON payload per
+    """The policy (sampled by `engine`, as in `sample_rewards`) answers the task's hint requests (`task.hint_requests`: one JSON payload per
     problem, or one request per level) at `temperature` (0 = greedy); returns {"parse_rate":
     share of replies with a usable hint (`task.read_hints`), "leaked": levels refused for giving
     the answer away, "acc": {level: share whose level-l hint equals the reference one (of the
     problems that have that level)}, "samples": 3 replies}."""
     task = task or toy.ToyTask()
-    generate = generate or sampling.generate
     kmax = max(p.k for p in problems)
     todo = [(r, lvl, req) for r, p in enumerate(problems)
             for lvl, req in task.hint_requests(p.text, p.solution).items()]
-    got = generate(model, [req for _, _, req in todo], max_new_tokens=max_payload_tokens(kmax),
-                   temperature=temperature, top_p=1.0, top_k=0, eos_token_id=task.eos_ids,
-                   key=jax.random.PRNGKey(1000) if key is None else key, num_samples=1,
-                   prompt_ids=np.arange(len(todo), dtype=np.int32), pad_id=task.pad_id)
+    tokens, lengths = _rows(engine, [req for _, _, req in todo],
+                            key=jax.random.PRNGKey(1000) if key is None else key,
+                            prompt_ids=np.arange(len(todo)), num_samples=1,
+                            max_new_tokens=max_payload_tokens(kmax), temperature=temperature)
     parsed_ok, leaked, samples = 0, 0, []
     written: list[dict[int, str]] = [{} for _ in problems]
     for j, (r, lvl, _) in enumerate(todo):
-        text = task.decode(got.tokens[j, :got.lengths[j]])
+        text = task.decode(tokens[j, :lengths[j]])
         hints, n_leaked = task.read_hints(text, lvl, problems[r].answer)
         parsed_ok += bool(hints)
         leaked += n_leaked
@@ -327,7 +337,7 @@ def write_prob(model: Decoder, problems: Sequence[toy.ToyProblem], *, task: toy.
     return float(np.mean(probs)) if probs else float("nan")
 
 
-def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
+def calibrate(engine, *, task: toy.ToyTask | None = None,
               spec: toy.ToySpec = toy.RL_SPEC, problems_per_length: int = 32,
               group_size: int = 8, temperature: float = 1.0, hint_temperature: float = 0.0,
               levels: Sequence[int] = (1, 2, 3), seed: int = 0,
@@ -335,8 +345,8 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
               hint_source: str = "online") -> dict:
     """Sampled calibration of a policy on the RL prompt distribution.
 
-    `generate(model, prompts, *, max_new_tokens, temperature, top_p, top_k, eos_token_id, key,
-    num_samples)` is `sage_jax.engine.sampling.generate` by default. For each length of `spec`,
+    `engine` samples the policy (a `RolloutEngine`, as in `sample_rewards`). For each length of
+    `spec`,
     `problems_per_length` problems get a group of `group_size` answers with no hint and with each
     reference hint level; the policy also writes one hint payload per problem (at
     `hint_temperature`, 0 = greedy), scored against the reference-derived hints.
@@ -356,14 +366,13 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     """
     t0 = time.perf_counter()
     task = task or toy.ToyTask()
-    generate = generate or sampling.generate
     if problems is None:
         problems = toy.make_problems(problems_per_length, spec, seed=20_000 + seed,
                                      per_length=True)
     key = jax.random.PRNGKey(seed)
-    out = _pass_rates(model, problems, task=task, generate=generate, group_size=group_size,
+    out = _pass_rates(engine, problems, task=task, group_size=group_size,
                       temperature=temperature, levels=levels, key=key)
-    writing = hint_write_accuracy(model, problems, task=task, generate=generate,
+    writing = hint_write_accuracy(engine, problems, task=task,
                                   temperature=hint_temperature, key=jax.random.fold_in(key, 1000),
                                   levels=levels)
     out["hint_parse_rate"], out["hint_write_acc"] = writing["parse_rate"], writing["acc"]
@@ -375,8 +384,7 @@ def calibrate(model: Decoder, *, task: toy.ToyTask | None = None, generate=None,
     return out
 
 
-def _pass_rates(model, problems, *, task, generate, group_size, temperature, levels, key
-                ) -> dict:
+def _pass_rates(engine, problems, *, task, group_size, temperature, levels, key) -> dict:
     """Pass rates by level (0: no hint) and length, the all-zero share, a few sample texts."""
     ks = np.asarray([p.k for p in problems])
     out: dict = {"group_size": group_size, "temperature": temperature,
@@ -389,10 +397,10 @@ def _pass_rates(model, problems, *, task, generate, group_size, temperature, lev
                if level == 0 or level in toy.reference_hints(p)]
         if not idx:
             continue
-        rewards, texts = sample_rewards(model, [problems[i] for i in idx], level=level,
+        rewards, texts = sample_rewards(engine, [problems[i] for i in idx], level=level,
                                         group_size=group_size, temperature=temperature,
                                         key=jax.random.fold_in(key, level), task=task,
-                                        generate=generate, prompt_ids=idx)
+                                        prompt_ids=idx)
         examples[level] = texts[:: group_size][:3]
         kk = ks[idx]
         pass_by_level[level] = {int(k): float(rewards[kk == k].mean()) for k in sorted(set(kk))}
