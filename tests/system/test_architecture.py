@@ -379,3 +379,18 @@ def test_the_training_loop_names_no_rollout_engine():
     assert not named, named
     imported = {t for t in GRAPH["sage_jax.run.loop"][0]}
     assert not imported & {"sage_jax.run.vllm_engine", "sage_jax.engine.sampling"}, imported
+
+
+def test_every_module_is_in_the_architecture_tree_and_every_folder_in_the_readme_table():
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    tree = doc.split("## The tree", 1)[1].split("```")[1]
+    missing = sorted(p.name for p in PACKAGE.rglob("*.py")
+                     if p.name != "__init__.py" and "configs" not in p.parts
+                     and p.name not in tree)
+    assert not missing, f"docs/architecture.md's tree lacks {missing}"
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = "\n".join(line for line in readme.split("## Library", 1)[1].splitlines()
+                      if line.startswith("|"))
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert len(folders) >= 10, folders
+    assert not [f for f in folders if f"`{f}/`" not in table], table
