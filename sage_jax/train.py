@@ -47,7 +47,9 @@ def parse(argv=None):
                    help="config overrides, e.g. rl.method=grpo optim.lr=3e-6 train.steps=10")
     args = p.parse_args(argv)
     source = args.config or config_lib.DEFAULT_CONFIG
-    cfg = registry.load_config(source, args.overrides)
+    # a run folder's own config.yaml (resuming from it) is read with moved keys migrated
+    saved = Path(source).is_file() and (Path(source).parent / loop.PROVENANCE_FILE).is_file()
+    cfg = registry.load_config(source, args.overrides, saved=saved)
     workdir = args.workdir or cfg.train.workdir or Path("runs") / datetime.datetime.now(
     ).strftime("%Y%m%d-%H%M%S")
     print(describe(source, args.overrides), flush=True)

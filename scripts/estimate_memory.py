@@ -45,7 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, help="rows per micro-batch, all devices "
                     "(rl.micro_batch_size)")
     ap.add_argument("--sample-prompts", type=int, help="prompts per sampling call (default: "
-                    "rl.rollout_micro_batch_size // group size, or all the step's prompts)")
+                    "rollout.micro_batch_size // group size, or all the step's prompts)")
     ap.add_argument("--chunk", type=int, default=memory.update.DEFAULT_CHUNK,
                     help="log-prob chunk columns (0 = none)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -96,7 +96,7 @@ def run_estimate(args):
     """(Estimate, settings dict) for the parsed command line."""
     cfg = registry.load_config(args.config, args.overrides)
     mcfg, source = model_config(args, cfg)
-    rl, m = cfg.rl, cfg.model
+    rl, rollout, m = cfg.rl, cfg.rollout, cfg.model
     prompts = args.prompts or rl.prompts_per_step
     group = args.group_size or rl.group_size
     settings = dict(
@@ -108,14 +108,14 @@ def run_estimate(args):
         // rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
         master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=args.chunk or None,
         sample_prompts=args.sample_prompts or min(
-            prompts, (rl.rollout_micro_batch_size or prompts * group) // group))
+            prompts, (rollout.micro_batch_size or prompts * group) // group))
     est = memory.estimate(
         mcfg, mesh_shape=settings["mesh"], rows_per_step=settings["rows_per_step"],
         micro_batch_rows=settings["micro_batch_rows"], prompt_len=settings["prompt_len"],
         max_new_tokens=settings["max_new_tokens"], group_size=group,
         minibatches=rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
         master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=settings["logprob_chunk"],
-        sample_prompts=settings["sample_prompts"], continuous=rl.continuous_batching)
+        sample_prompts=settings["sample_prompts"], continuous=rollout.continuous_batching)
     return est, settings
 
 

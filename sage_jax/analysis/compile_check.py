@@ -62,7 +62,7 @@ class RunShapes:
 
     prompts: int  # B
     group: int  # G
-    sample_prompts: int  # prompts per sampling call (rl.rollout_micro_batch_size // G, or B)
+    sample_prompts: int  # prompts per sampling call (rollout.micro_batch_size // G, or B)
     prompt_len: int  # the longest prompt the rollout samples from (hints included)
     max_new_tokens: int  # T
     row_len: int  # L, the update's rows
@@ -75,7 +75,7 @@ def run_shapes(cfg: Config, prompt_len: int | None = None) -> RunShapes:
     """`RunShapes` of `cfg`; `prompt_len`: the longest rendered prompt the rollout samples
     (default data.max_prompt_tokens), to which hinted prompts add hint.max_new_tokens. The
     update's rows are the trainer's packed width (`update.row_len`)."""
-    b, rows = cfg.rl.prompts_per_step, cfg.rl.rollout_micro_batch_size
+    b, rows = cfg.rl.prompts_per_step, cfg.rollout.micro_batch_size
     return RunShapes(
         prompts=b, group=cfg.rl.group_size, prompt_len=cfg.sample_prompt_len(prompt_len),
         sample_prompts=b if rows is None else min(b, rows // cfg.rl.group_size),
@@ -318,7 +318,7 @@ def sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCon
                               group=group, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                               temperature=temperature, optimizer_bytes=optimizer_bytes,
                               all_buckets=all_buckets,
-                              continuous=passes > 1 and cfg.rl.continuous_batching)
+                              continuous=passes > 1 and cfg.rollout.continuous_batching)
     for q in progs:
         q.calls *= passes
     return progs
@@ -469,7 +469,7 @@ def check_run(cfg: Config, model_cfg: models.DecoderConfig, topology: str | None
                              temperature=cfg.rl.temperature, optimizer_bytes=opt_bytes,
                              all_buckets=all_buckets))
     if "hint" in only and shapes.hint_prompts:
-        per_call = min(shapes.hint_prompts, cfg.rl.rollout_micro_batch_size or shapes.prompts)
+        per_call = min(shapes.hint_prompts, cfg.rollout.micro_batch_size or shapes.prompts)
         add(sampler_programs("hint", graphdef, state.params, model_cfg, cfg, mesh,
                              prompts=per_call, group=1,
                              passes=-(-shapes.hint_prompts // per_call),
@@ -542,9 +542,9 @@ def to_json(r: Report) -> dict:
 KNOBS = {
     "train_step": "lower rl.micro_batch_size (sequences per gradient-accumulation pass), keep "
                   "model.remat=true, or shard wider (mesh.fsdp)",
-    "prefill": "fewer prompts a sampling call (rl.rollout_micro_batch_size) or shorter prompts "
+    "prefill": "fewer prompts a sampling call (rollout.micro_batch_size) or shorter prompts "
                "(data.max_prompt_tokens), or shard wider (mesh.fsdp / mesh.tensor)",
-    "decode": "sample fewer rows at once (rl.rollout_micro_batch_size) or a shorter budget "
+    "decode": "sample fewer rows at once (rollout.micro_batch_size) or a shorter budget "
               "(rl.max_new_tokens), or shard wider (mesh.fsdp / mesh.tensor)",
 }
 

@@ -286,7 +286,7 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
     sampler rounds them up to `prompt_bucket`, the update its rows of prompt + answer to a
     `length_bucket`), answers of `max_new_tokens`; `sample_prompts` prompts per
     sampling call (None = all the step's prompts at once, as `rollout.run` samples them);
-    `continuous`: with fewer than all, the calls batch continuously (`rl.continuous_batching`).
+    `continuous`: with fewer than all, the calls batch continuously (`rollout.continuous_batching`).
     `mesh_shape` maps "data", "fsdp", "tensor" to sizes."""
     mesh = fake_mesh(mesh_shape)
     state = abstract_state(model_cfg, param_dtype=param_dtype, compute_dtype=compute_dtype,

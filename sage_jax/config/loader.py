@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import sys
 import types
 import typing
 from pathlib import Path
@@ -36,6 +37,11 @@ from sage_jax.config.schema import Config, ConfigError, TaskConfig
 Tasks = Mapping[str, "type | None"]  # task name -> its plug-in's config section (None: none)
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"  # the configs shipped with the package
+# Keys that moved (old -> new). In a YAML file or an override the old key is an error naming the
+# new one; a run folder's saved config is migrated on read (`migrate`).
+MOVED = {"rl.rollout_micro_batch_size": "rollout.micro_batch_size",
+         "rl.continuous_batching": "rollout.continuous_batching",
+         "rl.programs_kept": "rollout.programs_kept"}
 DEFAULT_CONFIG = CONFIG_DIR / "toy.yaml"  # what `python -m sage_jax.train` runs without --config
 
 
@@ -76,6 +82,8 @@ def _all_keys(cls: type, tasks: Tasks, prefix: str = "") -> list[str]:
 def _unknown_key(cls: type, name: str, prefix: str, root: type, tasks: Tasks) -> ConfigError:
     """The error for key `name` not being a field of section `cls` (at dotted `prefix`)."""
     key = _join(prefix, name)
+    if key in MOVED:
+        return ConfigError(f"config key '{key}' moved to '{MOVED[key]}'", key=key)
     match = difflib.get_close_matches(name, list(_fields(cls, tasks)), n=1)
     suggestion = _join(prefix, match[0]) if match else None
     if suggestion is None:  # Maybe the right field in the wrong section, e.g. `group_size`.
@@ -285,6 +293,22 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str], cls: type
     return result
 
 
+def migrate(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(a copy of a config mapping written before keys moved, with each key of `MOVED` at its
+    new place; the moves made, as "old -> new")."""
+    out, moves = _copy_dict(data), []
+    for old, new in MOVED.items():
+        (osec, oname), (nsec, nname) = old.split("."), new.split(".")
+        section = out.get(osec)
+        if isinstance(section, dict) and oname in section:
+            out.setdefault(nsec, {})
+            if not isinstance(out[nsec], dict):
+                continue  # not a mapping: the strict load names it
+            out[nsec][nname] = section.pop(oname)
+            moves.append(f"{old} -> {new}")
+    return out, moves
+
+
 def _copy_dict(data: Mapping[str, Any]) -> dict[str, Any]:
     """A deep copy of nested mapping `data` whose mappings are plain dicts."""
     return {k: _copy_dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
@@ -304,9 +328,10 @@ def resolve_config_path(path: str | Path) -> Path:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
-                tasks: Tasks | None = None) -> Config:
+                tasks: Tasks | None = None, *, saved: bool = False) -> Config:
     """Defaults, then the YAML file at `path` (if any), then `overrides`; strictly checked.
-    `tasks`: the task table (see the module docstring)."""
+    `tasks`: the task table (see the module docstring). `saved`: `path` is a run folder's
+    saved config, whose moved keys (`MOVED`) are migrated, with a note on stderr."""
     tasks = tasks or {}
     data: Any = {}
     if path is not None:
@@ -322,6 +347,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
+        if saved:
+            data, moves = migrate(data)
+            if moves:
+                print(f"note: {path} was saved before config keys moved; read as "
+                      f"{', '.join(moves)}", file=sys.stderr, flush=True)
         try:
             _check_keys(data, Config, "", Config, tasks)
         except ConfigError as e:

@@ -121,13 +121,6 @@ class RLConfig(Section):
     minibatches: int = 2  # Optimiser updates per training step (the batch is split this way).
     # Sequences per gradient-accumulation pass; a smaller mini-batch is one pass; None = all.
     micro_batch_size: int | None = None
-    # Answer rows the sampler decodes at once (its KV cache's rows); None = all at once. A call
-    # with more rows samples its prompts in chunks of rollout_micro_batch_size // answers-per-
-    # prompt (whole groups), or, with continuous_batching, refills a finished row's slot with
-    # the next pending prompt's rows (one row per group, each with its prompt's keys/values:
-    # more cache than chunks). Either way the same answers: each row's randomness is its own.
-    rollout_micro_batch_size: int | None = None
-    continuous_batching: bool = False
     epochs_per_batch: int = 1  # Passes over each step's rollouts.
     # The update packs whole rows end to end into its sequences (same loss and gradients,
     # fewer padding tokens; a micro-batch is then at most micro_batch_size packed sequences).
@@ -146,11 +139,6 @@ class RLConfig(Section):
     # old log-probs); smaller: fewer [rows, chunk, vocab] float32 temporaries, the same values;
     # None = all columns at once.
     logprob_chunk: int | None = 256
-    # Compiled sampler programs the trainer keeps between steps; past it, it drops them all (the
-    # next step compiles or reloads what it needs). More: fewer recompiles, more host memory
-    # (about 22 MB a program for a 30-layer 135M model). None = `engine.programs.budget` of
-    # the model's layers (48 for 30 layers).
-    programs_kept: int | None = None
 
     @property
     def hinted(self) -> bool:
@@ -174,14 +162,8 @@ class RLConfig(Section):
         require(self.logprob_chunk is None or self.logprob_chunk >= 1, "logprob_chunk",
                 self.logprob_chunk, "must be >= 1, or null for all columns at once")
         require(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
-        require(self.programs_kept is None or self.programs_kept >= 0, "programs_kept",
-                self.programs_kept, "must be >= 0, or null for the model's default")
         require(self.micro_batch_size is None or self.micro_batch_size >= 1,
                  "micro_batch_size", self.micro_batch_size, "must be >= 1, or null for all")
-        require(self.rollout_micro_batch_size is None
-                 or self.rollout_micro_batch_size >= self.group_size, "rollout_micro_batch_size",
-                 self.rollout_micro_batch_size,
-                 "must be >= group_size (a group is sampled whole), or null for all")
         require(self.epochs_per_batch >= 1, "epochs_per_batch", self.epochs_per_batch,
                  "must be >= 1")
         require(self.collapse_std >= 0, "collapse_std", self.collapse_std, "must be >= 0")
@@ -316,15 +298,31 @@ class MeshConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig(Section):
-    """The engine that samples every rollout pass: the first pass, hint writing, hinted
-    re-samples (docs/running.md, "Rollouts with vLLM")."""
+    """The engine that samples every rollout pass (the first pass, hint writing, hinted
+    re-samples) and the validation, and its settings (docs/running.md, "Rollouts with vLLM")."""
 
     engine: Literal["native", "vllm"] = "native"  # native: the jit sampler; vllm: sage_jax[vllm].
     vllm_memory: float = 0.3  # vllm: share of the accelerator's memory for its weights and cache.
+    # native: answer rows the sampler decodes at once (its KV cache's rows); None = all at once.
+    # A call with more rows samples its prompts in chunks of micro_batch_size // answers-per-
+    # prompt (whole groups), or, with continuous_batching, refills a finished row's slot with
+    # the next pending prompt's rows (one row per group, each with its prompt's keys/values:
+    # more cache than chunks). Either way the same answers: each row's randomness is its own.
+    micro_batch_size: int | None = None
+    continuous_batching: bool = False
+    # native: compiled sampler programs kept between steps; past it, the engine drops them all
+    # at its sync (the next step compiles or reloads what it needs). More: fewer recompiles,
+    # more host memory (about 22 MB a program for a 30-layer 135M model). None =
+    # `engine.programs.budget` of the model's layers (48 for 30 layers).
+    programs_kept: int | None = None
 
     def validate(self) -> None:
-        require(0 < self.vllm_memory <= 1, "rollout.vllm_memory", self.vllm_memory,
+        require(0 < self.vllm_memory <= 1, "vllm_memory", self.vllm_memory,
                 "must be in (0, 1]")
+        require(self.micro_batch_size is None or self.micro_batch_size >= 1,
+                "micro_batch_size", self.micro_batch_size, "must be >= 1, or null for all")
+        require(self.programs_kept is None or self.programs_kept >= 0, "programs_kept",
+                self.programs_kept, "must be >= 0, or null for the model's default")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +412,11 @@ class Config(Section):
                 f"rl.micro_batch_size={rl.micro_batch_size} must divide the {sequences} "
                 f"sequences of a minibatch (rl.prompts_per_step * rl.group_size / "
                 f"rl.minibatches)")
+        rows = self.rollout.micro_batch_size
+        if rows is not None and rows < rl.group_size:
+            raise ConfigError(
+                f"rollout.micro_batch_size={rows} must be >= rl.group_size={rl.group_size} (a "
+                f"group is sampled whole), or null for all", key="rollout.micro_batch_size")
         hinted = rl.hinted
         if hinted and self.hint.source == "column" and self.data.hint_key is None:
             raise ConfigError(

@@ -181,7 +181,7 @@ class SamplingPlan:
     def of_chunk(cls, knobs: Knobs, prompts: int, prompt_len: int, *, num_params: int,
                  shards: int = 1, continuous: bool = False) -> "SamplingPlan":
         """The plan of one chunk of `prompts` prompts of a training step's rollout; with
-        `continuous` (rl.continuous_batching) the step's call holds more prompts than that and
+        `continuous` (rollout.continuous_batching) the step's call holds more prompts than that and
         batches them continuously in `prompts` * G slots."""
         more = 2 if continuous else 1  # any count above `prompts` gives the same plan
         return cls.of(knobs, prompts * more, prompt_len, num_params=num_params, shards=shards,

@@ -100,8 +100,8 @@ def rollout_engine(cfg: Config, dims: models.DecoderConfig, graphdef: nnx.GraphD
     model.path."""
     if cfg.rollout.engine == "vllm":
         return vllm_engine.build(cfg, dims, graphdef, params, task.eos_ids, task.pad_id)
-    kept = (programs.budget(dims.num_layers) if cfg.rl.programs_kept is None
-            else cfg.rl.programs_kept)
+    kept = (programs.budget(dims.num_layers) if cfg.rollout.programs_kept is None
+            else cfg.rollout.programs_kept)
     return engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id,
-                                mesh=mesh, max_rows=cfg.rl.rollout_micro_batch_size,
-                                continuous=cfg.rl.continuous_batching, programs_kept=kept)
+                                mesh=mesh, max_rows=cfg.rollout.micro_batch_size,
+                                continuous=cfg.rollout.continuous_batching, programs_kept=kept)

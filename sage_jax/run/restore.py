@@ -52,7 +52,7 @@ def restore_policy(workdir: str | Path, step: int | None = None):
     cfg_file = workdir / "config.yaml"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{workdir} is not a training run folder (no config.yaml)")
-    cfg = registry.load_config(cfg_file, [])
+    cfg = registry.load_config(cfg_file, [], saved=True)
     dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
     mcfg = model_config(cfg)
     graphdef, abstract = nnx.split(nnx.eval_shape(

@@ -23,9 +23,11 @@ TASKS: dict[str, TaskPlugin] = {
 SECTIONS: dict[str, type | None] = {name: p.config for name, p in TASKS.items()}
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> config.Config:
-    """`config.load_config` with the plug-ins' `task.<name>` sections."""
-    return config.load_config(path, overrides, tasks=SECTIONS)
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                saved: bool = False) -> config.Config:
+    """`config.load_config` with the plug-ins' `task.<name>` sections (`saved`: a run folder's
+    config, its moved keys migrated)."""
+    return config.load_config(path, overrides, tasks=SECTIONS, saved=saved)
 
 
 def from_dict(data: Mapping[str, Any]) -> config.Config:

@@ -324,7 +324,7 @@ def test_every_program_compiles_for_gpus_within_budget(gpu_python, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = _aot_gpu(gpu_python, "--config", "paper_qwen2.5-7b", "--topology", "4xa100-80gb",
                    "--hf-config", str(tmp_path / "config.json"), "--json", *RUN,
-                   "rl.rollout_micro_batch_size=16")
+                   "rollout.micro_batch_size=16")
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads(out.stdout.strip().splitlines()[-1])
     assert rep["chip"]["name"] == "a100-80gb" and rep["devices"] == 4
@@ -351,7 +351,7 @@ def test_a_gpu_run_that_does_not_fit_fails_in_one_line(gpu_python, tmp_path):
     assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
     err = [line for line in out.stderr.strip().splitlines() if not _plugin_noise(line)]
     assert len(err) == 1 and err[0].startswith("error: rollout/"), err
-    assert "h100's 0.0 GiB HBM" in err[0] and "rl.rollout_micro_batch_size" in err[0], err
+    assert "h100's 0.0 GiB HBM" in err[0] and "rollout.micro_batch_size" in err[0], err
 
 
 def test_the_fsdp_train_step_gathers_weights_not_rows():

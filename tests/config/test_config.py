@@ -122,7 +122,12 @@ def test_unknown_yaml_keys(tmp_path):
     (["rl.micro_batch_size=x"], ["'rl.micro_batch_size'", "expected int or null"]),
     (["rl.clip_low=-0.1"], ["'rl.clip_low'", "[0, 1)"]),
     (["rl.logprob_chunk=0"], ["'rl.logprob_chunk'", "must be >= 1, or null"]),
-    (["rl.programs_kept=-1"], ["'rl.programs_kept'", "must be >= 0, or null"]),
+    (["rollout.programs_kept=-1"], ["'rollout.programs_kept'", "must be >= 0, or null"]),
+    (["rl.programs_kept=4"], ["'rl.programs_kept' moved to 'rollout.programs_kept'"]),
+    (["rl.rollout_micro_batch_size=8"],
+     ["'rl.rollout_micro_batch_size' moved to 'rollout.micro_batch_size'"]),
+    (["rl.group_size=8", "rollout.micro_batch_size=4"],
+     ["rollout.micro_batch_size=4", "rl.group_size=8", "sampled whole"]),
     (["hint.escalation=eager"], ["'hint.escalation'", "'sequential', 'speculative'"]),
     (["hint.low=0.5"], ["'hint.high'", "[low, 1]"]),
     (["eval.benchmarks=[1]"], ["'eval.benchmarks[0]'", "expected str"]),
@@ -224,3 +229,19 @@ def test_task_section_errors_name_the_key(overrides, tasks, pieces):
         load_config(None, overrides, tasks=tasks)
     for piece in pieces:
         assert piece in str(e.value)
+
+
+def test_a_moved_key_fails_in_a_yaml_file_and_a_saved_run_config_is_migrated(tmp_path, capsys):
+    old = "rl:\n  group_size: 4\n  rollout_micro_batch_size: 8\n  programs_kept: 3\n"
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, old), [])
+    assert "'rl.rollout_micro_batch_size' moved to 'rollout.micro_batch_size'" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+    cfg = load_config(_write(tmp_path, old), [], saved=True)  # a run folder's config.yaml
+    assert (cfg.rollout.micro_batch_size, cfg.rollout.programs_kept) == (8, 3)
+    assert cfg.rl.group_size == 4
+    note = capsys.readouterr().err
+    assert "rl.rollout_micro_batch_size -> rollout.micro_batch_size" in note
+    assert "rl.programs_kept -> rollout.programs_kept" in note
+    assert load_config(_write(tmp_path, to_yaml(cfg)), [], saved=True) == cfg  # nothing to move
+    assert capsys.readouterr().err == ""

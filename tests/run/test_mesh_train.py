@@ -196,7 +196,7 @@ def policy_rollout(graphdef, state, mesh, idx, max_rows, continuous=False):
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
 def test_rollout_in_chunks_samples_the_same_answers(shape, monkeypatch):
-    """rl.rollout_micro_batch_size: a rollout (hinted re-samples included) sampled a few whole
+    """rollout.micro_batch_size: a rollout (hinted re-samples included) sampled a few whole
     groups at a time gives the answers and log-probs of sampling every prompt at once."""
     devices = jax.devices()[:1] if shape == (1, 1, 1) else None
     mesh = parallel.make_mesh(config.MeshConfig(*shape), devices)
@@ -227,8 +227,8 @@ def test_rollout_in_chunks_samples_the_same_answers(shape, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
 def test_rollout_with_fewer_slots_than_rows_samples_the_same_answers(shape, monkeypatch):
-    """rl.rollout_micro_batch_size: a rollout (hinted re-samples included) whose calls decode at
-    most 3 groups' rows at once, refilling finished rows' slots (rl.continuous_batching), gives
+    """rollout.micro_batch_size: a rollout (hinted re-samples included) whose calls decode at
+    most 3 groups' rows at once, refilling finished rows' slots (rollout.continuous_batching), gives
     the answers and log-probs of decoding every row at once."""
     devices = jax.devices()[:1] if shape == (1, 1, 1) else None
     mesh = parallel.make_mesh(config.MeshConfig(*shape), devices)
@@ -256,5 +256,6 @@ def test_rollout_with_fewer_slots_than_rows_samples_the_same_answers(shape, monk
     np.testing.assert_array_equal(chunked.samples.lengths, whole.samples.lengths)
     np.testing.assert_allclose(chunked.samples.logprobs, whole.samples.logprobs, atol=1e-5)
     np.testing.assert_array_equal(chunked.level, whole.level)
-    with pytest.raises(ValueError, match="rollout_micro_batch_size"):
-        config.RLConfig(group_size=8, rollout_micro_batch_size=4).validate()
+    with pytest.raises(ValueError, match="rollout.micro_batch_size"):
+        config.Config(rl=config.RLConfig(group_size=8),
+                      rollout=config.RolloutConfig(micro_batch_size=4)).validate()

@@ -46,9 +46,9 @@ def cfg(*overrides):
 def test_each_method_runs_and_writes_metrics(tmp_path, method):
     evals = (["eval.every=2", "eval.k=2", "eval.limit=4", "eval.max_new_tokens=16"]
              if method == "grpo" else [])
-    # rl.programs_kept=0: the sampler's programs are dropped after every step (the toy's
+    # rollout.programs_kept=0: the sampler's programs are dropped after every step (the toy's
     # default keeps 360)
-    kept = ["rl.programs_kept=0"] if method == "resample" else []
+    kept = ["rollout.programs_kept=0"] if method == "resample" else []
     loop.train(cfg(f"rl.method={method}", "train.steps=2", *evals, *kept), tmp_path)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert all(r["programs/held"] > 0 for r in rows)
@@ -373,3 +373,28 @@ def test_every_pass_and_the_validation_sample_through_the_one_engine_of_the_run(
     assert log[0] == "build" and log.count("build") == 1 and log[-1] == "close"
     assert log.count("sync") == 2 and log.count("sample") >= 4  # passes, hints, validation
     assert not outside
+
+
+@pytest.mark.slow
+def test_a_run_saved_before_the_sampler_keys_moved_resumes_and_evaluates(three_steps, tmp_path,
+                                                                        capsys):
+    """A run folder whose config.yaml still has rl.programs_kept (before the sampler keys moved
+    to rollout.*): evaluate restores it and the train command resumes it from that file, each
+    saying so; the migrated config is the run's."""
+    import yaml
+    c, run = three_steps
+    old = tmp_path / "run"
+    shutil.copytree(run, old)
+    data = yaml.safe_load((old / "config.yaml").read_text())
+    data["rl"]["programs_kept"] = data["rollout"].pop("programs_kept")
+    data["rl"]["continuous_batching"] = data["rollout"].pop("continuous_batching")
+    (old / "config.yaml").write_text(yaml.safe_dump(data))
+    restored, _, step = restore.restore_policy(old)
+    assert restored == c and step == 3
+    assert "rl.programs_kept -> rollout.programs_kept" in capsys.readouterr().err
+    got = train.parse(["--config", str(old / "config.yaml"), "--workdir", str(old),
+                       "train.steps=4"])
+    assert (got[0].train.steps, got[0].rollout, got[0].rl) == (4, c.rollout, c.rl)
+    assert "rl.continuous_batching -> rollout.continuous_batching" in capsys.readouterr().err
+    train.run(*got)
+    assert [r["step"] for r in read_metrics(old / "metrics.jsonl")] == [1, 2, 3, 4]

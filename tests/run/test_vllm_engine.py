@@ -32,7 +32,7 @@ def test_the_default_engine_is_native_and_passes_the_check():
     cfg = config.load_config("smollm2_gsm8k")
     assert cfg.rollout.engine == "native"
     vllm_engine.check(cfg)
-    with pytest.raises(config.ConfigError, match="rollout.vllm_memory"):
+    with pytest.raises(config.ConfigError, match=r"key 'rollout\.vllm_memory'"):
         config.load_config("smollm2_gsm8k", ["rollout.vllm_memory=0"])
 
 
