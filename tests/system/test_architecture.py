@@ -394,3 +394,14 @@ def test_every_module_is_in_the_architecture_tree_and_every_folder_in_the_readme
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and any(p.glob("*.py")))
     assert len(folders) >= 10, folders
     assert not [f for f in folders if f"`{f}/`" not in table], table
+
+
+def test_the_readme_stays_short_and_keeps_what_it_shows_apart():
+    """Under 160 lines; the findings have their own section, with a place for the SmolLM2
+    study's primary row."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert len(readme.splitlines()) < 160
+    shows = readme.split("## What it shows", 1)[1].split("\n## ", 1)[0]
+    assert "<!-- claims: docs/toy_tail/claims.md -->" in shows
+    assert "<!-- smollm2 study:" in shows
+    assert "## What it shows" not in readme.split("## Run it, test it", 1)[0]

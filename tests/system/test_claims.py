@@ -84,7 +84,7 @@ def test_readme_quotes_the_claims_tables_verbatim():
 def test_readme_readings_and_job_numbers_come_from_results_files():
     claims = {s: (REPO / "docs" / s / "claims.md").read_text() for s in STUDIES}
     readme = (REPO / "README.md").read_text()
-    toy = section(readme, "What it shows of the paper's claims", "## Train your own model")
+    toy = section(readme, "What it shows of the paper's claims", "**On a real LLM.**")
     cost = section((REPO / "docs" / "benchmarks.md").read_text(), "<!-- step_cost -->",
                    "<!-- /step_cost -->")  # the step-cost sitting (test_bench_docs.py)
     assert unsourced(toy, *claims.values(), cost) == set()
