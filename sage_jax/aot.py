@@ -45,7 +45,8 @@ def parse(argv=None):
     p.add_argument("--only", default="train,rollout,hint",
                    help="program families to compile (default train,rollout,hint)")
     p.add_argument("--all-buckets", action="store_true",
-                   help="every decode row/cache bucket, not only the extremes")
+                   help="every program a sampling call may run (SamplingPlan.programs), "
+                        "not only the largest of each kind")
     p.add_argument("--headroom", type=float, default=compile_check.HEADROOM,
                    help="share of HBM that must stay free (default 0.10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

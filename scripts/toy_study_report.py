@@ -265,7 +265,9 @@ def report(results: list[dict], start: list[dict], arms: list[str], out: Path, n
         lines.append(f"| {a} | {_rate(_pooled(by[a], 'hinted'))} | "
                      f"{_rate(_pooled(by[a], 'resampled'))} | {_rate(_pooled(by[a], 'stayed'))} |")
     lines += ["", "Per-run results: `results.json` (and `runs/<arm>-s<seed>/study.json`, not "
-              "committed, next to the run folders).", "",
+              "committed, next to the run folders). Runs made before the runner recorded its "
+              "commit and config have them reconstructed from the git history in "
+              "`provenance.json` (`scripts/reconstruct_provenance.py`), labelled as such.", "",
               "![accuracy by difficulty](accuracy.png)", "",
               "![accuracy against sampled tokens and wall-clock](efficiency.png)", "",
               "![training curves](curves.png)", ""]

@@ -6,17 +6,21 @@ are read: parameters and the train state are abstract (`jax.eval_shape`).
 Worst-case shapes of one step (`run_shapes`): B = rl.prompts_per_step prompts of P tokens
 (data.max_prompt_tokens; with hints written into them, P + hint.max_new_tokens), G answers of
 up to T = rl.max_new_tokens tokens; the update's batch is the trainer's own (`update.row_len`:
-the packed sequences of every step have that shape), every micro-batch computed. The programs
-(`PROGRAMS`):
+the packed sequences of every step have that shape), every micro-batch computed. The programs:
 
   train_step           the jitted, sharded update (`update.TrainStep`), state donated
-  rollout/prefill      the B prompts' prefill (chunked when long, `decode.prefill_rows`)
-  rollout/start        first tokens and the decode state with its first cache size
-  rollout/decode@R,S   a decode segment of R rows with an S-slot generated-token cache: all B*G
+  rollout/...          the sampling call's plan, `SamplingPlan.programs()`: by default the
+                       largest program of each kind (`all_buckets`: every program a call may
+                       run, the list `sampling.sample` takes its programs from):
+    prefill            the B prompts' prefill (chunked when long, `decode.prefill_rows`)
+    start              first tokens and the decode state with its first cache size
+    empty, admit@N,S   continuous batching: the state of free slots, and N prefilled prompts'
+                       rows written into a state with an S-slot cache
+    decode@R,S         a decode segment of R rows with an S-slot generated-token cache: all B*G
                        rows at the first and the last cache size, and the largest smaller row
-                       bucket (one row per group) at the last (`all_buckets`: every pair)
-  rollout/grow@S       one layer's cache grown to S slots (layer by layer, the rest resident)
-  rollout/drop@R       one layer's rows gathered into R rows, and the per-row fields
+                       bucket (one row per group) at the last
+    grow@S             one layer's cache grown to S slots (layer by layer, the rest resident)
+    drop@R, rows@R     one layer's rows gathered into R rows, and the per-row fields
   hint/...             the same programs for hint writing (greedy, one answer per request)
 
 Per program: compile seconds; per-device bytes XLA assigns (arguments, outputs, aliased,
@@ -45,7 +49,7 @@ from sage_jax.config import Config
 from sage_jax.infra import hardware, parallel
 from sage_jax import models
 from sage_jax.engine import decode, decode_attention, placement, programs, update
-from sage_jax.engine.sampling_plan import Knobs, SamplingPlan
+from sage_jax.engine.sampling_plan import DecodeShape, Knobs, SamplingPlan
 from sage_jax.engine.state import TrainState
 
 GIB = 1024 ** 3
@@ -330,73 +334,105 @@ def _sampler_programs(prefix: str, graphdef, params, model_cfg: models.DecoderCo
                       all_buckets: bool, continuous: bool = False) -> list[Program]:
     """`sampler_programs`: the programs of the call's `SamplingPlan`; `continuous`: the call
     has more rows than `prompts` * `group` and batches continuously
-    (`sampling.sample(max_rows=...)`): its decode state holds one row per group from the start,
-    each with its prompt's keys/values."""
+    (`sampling.sample(max_rows=...)`)."""
     knobs = Knobs(num_samples=group, max_new_tokens=max_new_tokens,
                   temperature=float(temperature), top_p=cfg.rl.top_p, top_k=cfg.rl.top_k,
                   eos_ids=tuple(model_cfg.eos_ids) or (0,), pad_id=0)
     plan = SamplingPlan.of_chunk(knobs, prompts, prompt_len, num_params=model_cfg.num_params(),
                                  shards=parallel.row_shards(mesh), continuous=continuous)
-    b, p = plan.prefill_prompts, plan.prompt_cols
-    lay = placement.layout(mesh, model_cfg.num_kv_heads, b)
-    rows = placement.spec(lay)
-    repl = placement.replicated(lay)
-    progs = []
-    prefill = compile_one(f"{prefix}/prefill", programs.get("prefill", graphdef, None, lay),
-                          (params, _abstract((b, p), jnp.int32, rows),
-                           _abstract((b, p), jnp.bool_, rows)), resident=optimizer_bytes)
-    progs.append(prefill)
-    if prefill.error:
-        return progs
-    assert prefill.compiled is not None  # compile_one keeps what compiled
-    logits, prompt_k, prompt_v = prefill.compiled.out_info
-    progs.append(compile_one(
-        f"{prefix}/start", programs.get("start", None, knobs, lay, plan.first_cache),
-        (prompt_k, prompt_v, _abstract((b, p), jnp.bool_, rows), logits,
-         _abstract((2,), jnp.uint32, repl), _abstract((b,), jnp.int32, rows),
-         _abstract((b,), jnp.bool_, rows)), resident=optimizer_bytes))
-    dtype = prompt_k[0].dtype
-    r0, g0 = plan.first_rows, (1 if plan.continuous else group)
-    for d in plan.decode_shapes(all_buckets):
-        rlay = placement.layout(mesh, model_cfg.num_kv_heads, d.rows)
-        state = decode_state(model_cfg, rlay, d.groups, d.rows_per_group, p, d.slots, dtype)
-        prog = compile_one(f"{prefix}/decode@{d.rows}x{d.slots}",
-                           programs.get("segment", graphdef, knobs, rlay),
-                           (params, state, _abstract((), jnp.int32, placement.replicated(rlay))),
-                           resident=optimizer_bytes, calls=0.0)
-        prog.bytes_per_call = prog.argument  # one step reads every weight and cache slot once
-        prog.gen_cache_bytes = device_bytes((state.gen_k, state.gen_v))
-        progs.append(prog)
-    impl = decode_attention.implementation(lay)
+    return plan_programs(prefix, plan, graphdef, params, model_cfg, mesh,
+                         optimizer_bytes=optimizer_bytes, every=all_buckets)
+
+
+def plan_programs(prefix: str, plan: SamplingPlan, graphdef, params,
+                  model_cfg: models.DecoderConfig, mesh: Mesh, *, optimizer_bytes: int = 0,
+                  every: bool = False) -> list[Program]:
+    """Compiles `plan.programs(every)` (the largest of each kind, or every program the call
+    may run) on `mesh`, each named `prefix/label`; stops after a prefill that does not fit.
+    Resident meanwhile: the optimiser state, and while one layer is regrouped the other
+    layers' caches (of the first rows at the last cache size)."""
+    p, kv, nl = plan.prompt_cols, model_cfg.num_kv_heads, model_cfg.num_layers
+    lay_of = lambda rows: placement.layout(mesh, kv, rows)  # noqa: E731
+    slots = plan.cache_sizes
+    r0, g0 = plan.first_rows, (1 if plan.continuous else plan.group)
+    prefilled: dict[int, tuple] = {}  # prompts -> the prefill's (logits, prompt_k, prompt_v)
+    progs: list[Program] = []
+    whole = regroup_resident = 0
+    for spec in plan.programs(every):
+        name, lay = f"{prefix}/{spec.label}", lay_of(spec.rows)
+        knobs = plan.decode_knobs if spec.kind == "segment" else plan.knobs
+        jitted = programs.get(spec.kind, graphdef if spec.kind in programs.TAKE_PARAMS else None,
+                              knobs if spec.kind in programs.TAKE_KNOBS else None, lay,
+                              spec.extra)
+        if spec.kind == "prefill":
+            b = spec.prompts
+            rows = placement.spec(lay)
+            q = compile_one(name, jitted, (params, _abstract((b, p), jnp.int32, rows),
+                                           _abstract((b, p), jnp.bool_, rows)),
+                            resident=optimizer_bytes)
+            progs.append(q)
+            if q.error:
+                return progs
+            assert q.compiled is not None  # compile_one keeps what compiled
+            prefilled[b] = q.compiled.out_info
+            dtype = prefilled[b][1][0].dtype
+            whole = device_bytes(decode_state(model_cfg, lay_of(r0), r0 // g0, g0, p, slots[-1],
+                                              dtype))
+            regroup_resident = optimizer_bytes + whole - whole // nl
+            continue
+        logits, prompt_k, prompt_v = prefilled[max(prefilled)]
+        dtype = prompt_k[0].dtype
+        if spec.kind in ("start", "empty", "admit"):
+            logits, prompt_k, prompt_v = prefilled[spec.prompts]
+            play = lay_of(spec.prompts)
+            rows, repl, b = placement.spec(play), placement.replicated(play), spec.prompts
+            firsts = (_abstract((b, p), jnp.bool_, rows), logits,
+                      _abstract((2,), jnp.uint32, repl), _abstract((b,), jnp.int32, rows),
+                      _abstract((b,), jnp.bool_, rows))
+            if spec.kind == "start":
+                args = (prompt_k, prompt_v, *firsts)
+            elif spec.kind == "empty":
+                args = (prompt_k, prompt_v)
+            else:
+                state = _state(model_cfg, lay, spec.state, p, dtype)
+                at = _abstract((b * plan.group,), jnp.int32, placement.replicated(lay))
+                args = (state, prompt_k, prompt_v, *firsts, at)
+            progs.append(compile_one(name, jitted, args, resident=optimizer_bytes))
+            continue
+        assert spec.state is not None
+        old = _state(model_cfg, lay_of(spec.state.rows), spec.state, p, dtype)
+        if spec.kind == "segment":
+            q = compile_one(name, jitted, (params, old, _abstract((), jnp.int32,
+                                                                  placement.replicated(lay))),
+                            resident=optimizer_bytes, calls=0.0)
+            q.bytes_per_call = q.argument  # one step reads every weight and cache slot once
+            q.gen_cache_bytes = device_bytes((old.gen_k, old.gen_v))
+        elif spec.kind == "regroup" and spec.rows == spec.state.rows:  # a cache grows
+            first = (spec.state.rows, spec.extra) == (r0, slots[-1])
+            q = compile_one(name, jitted, (old.gen_k[0], old.gen_v[0]),
+                            resident=regroup_resident,
+                            calls=nl * (len(slots) - 1) if first else 0.0)
+        elif spec.kind == "regroup":  # rows are gathered into fewer
+            index = _abstract((spec.rows,), jnp.int32, placement.replicated(lay))
+            q = compile_one(name, jitted, (old.gen_k[0], old.gen_v[0], old.prompt_k[0],
+                                           old.prompt_v[0], index),
+                            resident=regroup_resident, calls=0.0)
+        else:  # "rows": the per-row fields gathered
+            fields = {k: getattr(old, k) for k in decode.ROW_FIELDS}
+            q = compile_one(name, jitted, (fields, _abstract((spec.rows,), jnp.int32,
+                                                             placement.replicated(lay)),
+                                           _abstract((spec.rows,), jnp.bool_,
+                                                     placement.spec(lay))),
+                            resident=optimizer_bytes + whole, calls=0.0)
+        progs.append(q)
+    impl = decode_attention.implementation(lay_of(plan.prefill_prompts))
     _decode_calls([q for q in progs if f"/decode@{r0}x" in q.name], plan.schedule,
                   impl if any(q.kernels for q in progs) else "xla")
-    # Regrouping, one layer at a time, the other layers' caches resident.
-    last = max(plan.schedule)
-    whole = device_bytes(decode_state(model_cfg, lay, r0 // g0, g0, p, last, dtype))
-    per_layer = whole // model_cfg.num_layers
-    regroup_resident = optimizer_bytes + whole - per_layer
-    layer_in = lambda state: (state.gen_k[0], state.gen_v[0])  # noqa: E731
-    if plan.grow:
-        old = decode_state(model_cfg, lay, r0 // g0, g0, p, plan.grow[0], dtype)
-        progs.append(compile_one(f"{prefix}/grow@{last}",
-                                 programs.get("regroup", None, None, lay, last),
-                                 layer_in(old), resident=regroup_resident,
-                                 calls=model_cfg.num_layers * (len(plan.schedule) - 1)))
-    if plan.drop_rows:
-        r1 = plan.drop_rows
-        rlay = placement.layout(mesh, model_cfg.num_kv_heads, r1)
-        old = decode_state(model_cfg, lay, r0 // g0, g0, p, last, dtype)
-        index = _abstract((r1,), jnp.int32, placement.replicated(rlay))
-        progs.append(compile_one(
-            f"{prefix}/drop@{r1}", programs.get("regroup", None, None, rlay, last),
-            (*layer_in(old), old.prompt_k[0], old.prompt_v[0], index),
-            resident=regroup_resident, calls=0.0))
-        fields = {k: getattr(old, k) for k in decode.ROW_FIELDS}
-        progs.append(compile_one(
-            f"{prefix}/rows@{r1}", programs.get("rows", None, None, rlay),
-            (fields, index, _abstract((r1,), jnp.bool_, placement.spec(rlay))),
-            resident=optimizer_bytes + whole, calls=0.0))
     return progs
+
+
+def _state(model_cfg: models.DecoderConfig, lay, shape: DecodeShape, p: int, dtype):
+    return decode_state(model_cfg, lay, shape.groups, shape.rows_per_group, p, shape.slots, dtype)
 
 
 def _decode_calls(progs: list[Program], steps: dict[int, int], impl: str = "xla") -> None:

@@ -16,6 +16,8 @@ from sage_jax.engine import decode, placement
 from sage_jax.engine.sampling_plan import Knobs
 
 KINDS = ("prefill", "start", "segment", "empty", "admit", "regroup", "rows")
+TAKE_PARAMS = ("prefill", "segment")  # the kinds built for a model definition (graphdef)
+TAKE_KNOBS = ("start", "segment", "admit")  # the kinds built for sampling knobs
 # Compiled sampler programs the trainer keeps between steps (`drop`), counted in program-layers:
 # a decode program's code grows with the layers it unrolls, about 22 MB of host memory for one
 # of SmolLM2-135M's (30 layers), so 48 of those; a 4-layer model keeps 360.

@@ -68,7 +68,6 @@ placed or constrained. With several processes every process gets the whole outpu
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import flax.struct
@@ -81,7 +80,8 @@ from jax.sharding import Mesh
 from sage_jax.config import check_sampling
 from sage_jax.infra import distributed, parallel
 from sage_jax.engine import decode, placement, programs
-from sage_jax.engine.sampling_plan import Knobs, SamplingPlan, admit_bucket
+from sage_jax.engine.sampling_plan import (DecodeShape, Knobs, ProgramSpec, SamplingPlan,
+                                           admit_bucket)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
@@ -123,6 +123,15 @@ def _put(x, lay, rows: bool = False):
     if lay is None:
         return jnp.asarray(x)
     return jax.device_put(x, placement.spec(lay) if rows else placement.replicated(lay))
+
+
+def _program(plan: SamplingPlan, spec: ProgramSpec, graphdef=None, knobs: Knobs | None = None,
+             lay: placement.Layout | None = None):
+    """The jitted program `spec`, which must be one the call's plan lists."""
+    if not plan.allows(spec):
+        raise RuntimeError(f"sampler program {spec} is not among the programs of its call's "
+                           f"plan {plan}: the plan and the executor disagree")
+    return programs.get(spec.kind, graphdef, knobs, lay, spec.extra)
 
 
 def _check_knobs(temperature, top_p, top_k, num_samples, max_new_tokens):
@@ -225,9 +234,9 @@ def sample(graphdef, params, prompt_BxP, prompt_mask_BxP, *, key, num_samples: i
     if lay is not None:  # every input placed where the programs keep it (no later reshard)
         tokens, mask, ids, valid = (_put(x, lay, rows=True) for x in (tokens, mask, ids, valid))
         key = _put(key, lay)
-    logits, prompt_k, prompt_v = programs.get("prefill", graphdef, None, lay)(params, tokens,
-                                                                               mask)
-    state, tok0, logp0 = programs.get("start", None, st, lay, plan.first_cache)(
+    logits, prompt_k, prompt_v = _program(plan, ProgramSpec.prefill(bb), graphdef, None, lay)(
+        params, tokens, mask)
+    state, tok0, logp0 = _program(plan, ProgramSpec.start(bb, plan.first_cache), None, st, lay)(
         prompt_k, prompt_v, mask, logits, key, ids, valid)
     del prompt_k, prompt_v
     run = _Decoding(plan, st, mesh, state.rows)
@@ -249,8 +258,7 @@ def _continuous(graphdef, params, plan: SamplingPlan, mesh, tokens_BxP, mask_BxP
     st, slots = plan.knobs, plan.first_rows
     b, g = tokens_BxP.shape[0], st.num_samples
     lay = placement.layout(mesh, num_kv_heads, slots)
-    st1 = dataclasses.replace(st, num_samples=1)  # the decode state holds one row per group
-    run = _Decoding(plan, st1, mesh, b * g)
+    run = _Decoding(plan, plan.decode_knobs, mesh, b * g)  # one row per group
     tokens_BxP, mask_BxP, ids_B = (np.asarray(jax.device_get(x)) for x in (tokens_BxP, mask_BxP,
                                                                           ids_B))
     pending, state = list(range(b)), None
@@ -266,10 +274,12 @@ def _continuous(graphdef, params, plan: SamplingPlan, mesh, tokens_BxP, mask_BxP
         play = placement.layout(mesh, num_kv_heads, nb)
         tok, msk, pid, ok = (_put(x, play, rows=True) for x in (tokens_BxP[sel], mask_BxP[sel],
                                                                 ids_B[sel], valid))
-        logits, pk, pv = programs.get("prefill", graphdef, None, play)(params, tok, msk)
+        logits, pk, pv = _program(plan, ProgramSpec.prefill(nb), graphdef, None, play)(
+            params, tok, msk)
         if state is None:
-            state = programs.get("empty", None, None, lay, (plan.first_cache, slots))(pk, pv)
-        state, tok0, logp0 = programs.get("admit", None, st, lay, g)(
+            state = _program(plan, ProgramSpec.empty(nb, slots, plan.first_cache), lay=lay)(pk, pv)
+        into = DecodeShape(state.rows, state.group, state.slots)
+        state, tok0, logp0 = _program(plan, ProgramSpec.admit(nb, g, into), None, st, lay)(
             state, pk, pv, msk, logits, _put(key, play), pid, ok, _put(at, lay))
         rows = np.flatnonzero(np.repeat(valid, g))
         out_rows = (np.repeat(np.array(take), g) * g + np.tile(np.arange(g), n))
@@ -328,9 +338,10 @@ class _Decoding:
             longest = int(self.len_R[~self.done].max())
             cap = self.plan.cache_for(longest, state.slots)
             if cap > state.slots:  # the cache is full: grow it
-                state = _regroup(state, lay, cap)
-            state, seg_tok, seg_logp, n = programs.get("segment", graphdef, st, lay)(
-                params, state, _put(np.int32(stop), lay))
+                state = self.regroup(state, lay, cap)
+            shape = DecodeShape(state.rows, state.group, state.slots)
+            run = _program(self.plan, ProgramSpec.segment(shape), graphdef, st, lay)
+            state, seg_tok, seg_logp, n = run(params, state, _put(np.int32(stop), lay))
             seg_tok, seg_logp, len_R, done, n = distributed.fetch(
                 (seg_tok, seg_logp, state.lengths_R, state.done_R, n))
             self._record(seg_tok, seg_logp, np.asarray(len_R), np.asarray(done))
@@ -351,7 +362,7 @@ class _Decoding:
                 longest = int(self.len_R[live].max())
                 cap = self.plan.cache_for(longest, state.slots)
                 lay = placement.layout(self.mesh, state.prompt_k[0].shape[1], rows)
-                state = _regroup(state, lay, cap, _put(index, lay), _put(keep, lay, rows=True))
+                state = self.regroup(state, lay, cap, _put(index, lay), _put(keep, lay, rows=True))
                 self.row_ids = np.where(keep, self.row_ids[index], -1)
                 self.len_R, self.done = self.len_R[index], self.done[index] | ~keep
             state = self.segments(graphdef, params, lay, state, once=True,
@@ -369,6 +380,31 @@ class _Decoding:
         self.len_R, self.done = len_R, done
         self.syncs += 1
 
+    def regroup(self, state, lay, cap: int, index_R=None, keep_R=None):
+        """`state` with a `cap`-slot generated cache and, with `index_R`, only those rows (one per
+        group; `keep_R` False: padding). Layer by layer: each old layer is deleted as soon as its
+        program is queued (the runtime frees it once read), so the old and the new cache never
+        both live whole. `state`'s caches are gone afterwards."""
+        old_shape = DecodeShape(state.rows, state.group, state.slots)
+        rows = None if index_R is None else int(index_R.shape[0])
+        fn = _program(self.plan, ProgramSpec.regroup(old_shape, cap, rows), lay=lay)
+        layers = []
+        for i in range(len(state.gen_k)):
+            old = (state.gen_k[i], state.gen_v[i])
+            if index_R is not None:
+                old += (state.prompt_k[i], state.prompt_v[i])
+            layers.append(fn(*old) if index_R is None else fn(*old, index_R))
+            for x in old:
+                x.delete()
+        if index_R is None:
+            return state.replace(gen_k=tuple(k for k, _ in layers),
+                                 gen_v=tuple(v for _, v in layers))
+        pk, pv, gk, gv = (tuple(x) for x in zip(*layers))
+        fields = {k: getattr(state, k) for k in decode.ROW_FIELDS}
+        fields = _program(self.plan, ProgramSpec.gather_rows(rows, state.rows, state.group),
+                          lay=lay)(fields, index_R, keep_R)
+        return state.replace(prompt_k=pk, prompt_v=pv, gen_k=gk, gen_v=gv, **fields)
+
     def finish(self, state, b: int | None = None, g: int | None = None) -> SampleOutput:
         """The call's SampleOutput, [B, G, T] (G = the static num_samples unless given)."""
         del state
@@ -379,28 +415,6 @@ class _Decoding:
                             lengths=self.lengths.reshape(b, g),
                             logprobs=self.logps.reshape(b, g, t),
                             decode_row_steps=self.row_steps, host_syncs=self.syncs)
-
-
-def _regroup(state, lay, cap: int, index_R=None, keep_R=None):
-    """`state` with a `cap`-slot generated cache and, with `index_R`, only those rows (one per
-    group; `keep_R` False: padding). Layer by layer: each old layer is deleted as soon as its
-    program is queued (the runtime frees it once read), so the old and the new cache never
-    both live whole. `state`'s caches are gone afterwards."""
-    fn = programs.get("regroup", None, None, lay, cap)
-    layers = []
-    for i in range(len(state.gen_k)):
-        old = (state.gen_k[i], state.gen_v[i])
-        if index_R is not None:
-            old += (state.prompt_k[i], state.prompt_v[i])
-        layers.append(fn(*old) if index_R is None else fn(*old, index_R))
-        for x in old:
-            x.delete()
-    if index_R is None:
-        return state.replace(gen_k=tuple(k for k, _ in layers), gen_v=tuple(v for _, v in layers))
-    pk, pv, gk, gv = (tuple(x) for x in zip(*layers))
-    fields = {k: getattr(state, k) for k in decode.ROW_FIELDS}
-    fields = programs.get("rows", None, None, lay)(fields, index_R, keep_R)
-    return state.replace(prompt_k=pk, prompt_v=pv, gen_k=gk, gen_v=gv, **fields)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,

@@ -18,11 +18,17 @@ Buckets (each size is a set of programs to compile; padding stays under 1/8 to 1
 * training rows: prompt + answer rounded up to 1/8 of its power of two (`length_bucket`).
 `fine` (the 1.5x buckets) is on for models of `FINE_BUCKETS_MIN_PARAMS` parameters and more,
 whose decode steps cost enough to pay for the extra compiles.
+
+`SamplingPlan.programs(every=True)` lists each program a call may run (`ProgramSpec`: its kind,
+static argument and argument shapes; which of them run depends on when rows finish). The
+executor (`sampling`) runs only programs of that list, and `analysis.compile_check` compiles it
+(by default the largest program of each kind, `every=True` all of them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 
@@ -158,6 +164,63 @@ class DecodeShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProgramSpec:
+    """One program a call may run: its `kind` (`programs.KINDS`), the static argument `extra`
+    it is built with, and the shapes of its arguments (the call's P prompt columns besides):
+
+    * prefill: `prompts` prompts; start: `prompts` prompts, a first cache of `extra` slots;
+    * empty: a state of `rows` free slots for prompts of a `prompts`-prompt prefill, `extra` =
+      (cache slots, rows); admit: `prompts` prefilled prompts of `extra` = G rows each into
+      `state`;
+    * segment: `state`; regroup: `state`'s caches, one layer, grown to `extra` slots and, when
+      `rows` < `state.rows`, gathered into `rows` rows; rows: `state`'s per-row fields gathered
+      into `rows` rows (`state.slots` 0: it reads no cache).
+
+    `rows`: the rows the program's layout places (`placement.layout`). `label` names it in
+    reports and is not part of its identity."""
+
+    kind: str
+    rows: int
+    extra: int | tuple[int, int] | None = None
+    prompts: int = 0
+    state: DecodeShape | None = None
+    label: str = dataclasses.field(default="", compare=False)
+
+    @classmethod
+    def prefill(cls, prompts: int, label: str = "") -> "ProgramSpec":
+        return cls("prefill", prompts, prompts=prompts, label=label)
+
+    @classmethod
+    def start(cls, prompts: int, slots: int, label: str = "") -> "ProgramSpec":
+        return cls("start", prompts, slots, prompts=prompts, label=label)
+
+    @classmethod
+    def empty(cls, prompts: int, rows: int, slots: int, label: str = "") -> "ProgramSpec":
+        return cls("empty", rows, (slots, rows), prompts=prompts, label=label)
+
+    @classmethod
+    def admit(cls, prompts: int, group: int, state: DecodeShape, label: str = "") -> "ProgramSpec":
+        return cls("admit", state.rows, group, prompts=prompts, state=state, label=label)
+
+    @classmethod
+    def segment(cls, state: DecodeShape, label: str = "") -> "ProgramSpec":
+        return cls("segment", state.rows, state=state, label=label)
+
+    @classmethod
+    def regroup(cls, state: DecodeShape, slots: int, rows: int | None = None,
+                label: str = "") -> "ProgramSpec":
+        """`state`'s caches grown to `slots` and (with `rows`) gathered into that many rows."""
+        return cls("regroup", state.rows if rows is None else rows, slots, state=state,
+                   label=label)
+
+    @classmethod
+    def gather_rows(cls, rows: int, state_rows: int, rows_per_group: int,
+                    label: str = "") -> "ProgramSpec":
+        """A state's per-row fields (`state_rows` rows) gathered into `rows` rows."""
+        return cls("rows", rows, state=DecodeShape(state_rows, rows_per_group, 0), label=label)
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingPlan:
     """The shapes of one sampling call of `prompts` prompts of at most `prompt_len` tokens with
     `knobs` (G = knobs.num_samples answers each), its rows split over `shards` row shards;
@@ -221,6 +284,12 @@ class SamplingPlan:
         return self.slots is not None
 
     @property
+    def decode_knobs(self) -> Knobs:
+        """The knobs the decode segments are built with: one row per group in a continuous
+        call's state (its rows come G to a prompt, each drawn as its own)."""
+        return dataclasses.replace(self.knobs, num_samples=1) if self.continuous else self.knobs
+
+    @property
     def eos(self) -> bool:
         return bool(self.knobs.eos_ids)
 
@@ -233,6 +302,12 @@ class SamplingPlan:
     def schedule(self) -> dict[int, int]:
         """{cache slots: decode steps} when no row ends early."""
         return slot_schedule(self.knobs.max_new_tokens, self.eos)
+
+    @property
+    def cache_sizes(self) -> list[int]:
+        """The generated-token cache sizes a call may run with, ascending (the first alone
+        when no step decodes: T = 1)."""
+        return sorted(self.schedule) or [self.first_cache]
 
     @property
     def first_cache(self) -> int:
@@ -266,7 +341,7 @@ class SamplingPlan:
     def decode_shapes(self, all_buckets: bool = False) -> list[DecodeShape]:
         """The decode segments a call compiles: all first rows at the first and the last cache
         size, and the largest smaller row bucket at the last (`all_buckets`: every pair)."""
-        slots = sorted(self.schedule)
+        slots = self.cache_sizes
         g0 = 1 if self.continuous else self.group
         out = [DecodeShape(self.first_rows, g0, s)
                for s in (slots if all_buckets else sorted({slots[0], slots[-1]}))]
@@ -278,7 +353,7 @@ class SamplingPlan:
     @property
     def grow(self) -> tuple[int, int] | None:
         """(slots before, slots after) of the last cache growth, None when it never grows."""
-        slots = sorted(self.schedule)
+        slots = self.cache_sizes
         return (slots[-2], slots[-1]) if len(slots) > 1 else None
 
     @property
@@ -286,3 +361,58 @@ class SamplingPlan:
         """The largest row bucket finished rows are dropped into, None when there is none."""
         smaller = self.smaller_rows
         return smaller[-1] if smaller else None
+
+    @property
+    def admit_prompts(self) -> list[int]:
+        """The prefill sizes a continuous call's admissions may run (powers of two)."""
+        assert self.slots is not None
+        most = min(self.prompts, self.slots // self.group)
+        return sorted({admit_bucket(n) for n in range(1, most + 1)})
+
+    def programs(self, every: bool = False) -> list[ProgramSpec]:
+        """The programs this call may run (`every`), or the largest of each kind (what
+        `compile_check` compiles by default): the decode segments of `decode_shapes`, the last
+        cache growth of the first rows, their drop into the largest smaller row bucket at the
+        last cache size, and a continuous call's largest admission into the last cache size."""
+        slots = self.cache_sizes
+        last, r0 = slots[-1], self.first_rows
+        g0 = 1 if self.continuous else self.group
+        out = []
+        if self.continuous:
+            sizes = self.admit_prompts if every else [self.prefill_prompts]
+            out += [ProgramSpec.prefill(nb, "prefill" if nb == self.prefill_prompts
+                                        else f"prefill@{nb}") for nb in sizes]
+            out.append(ProgramSpec.empty(self.prefill_prompts, r0, self.first_cache, "empty"))
+            out += [ProgramSpec.admit(nb, self.group, DecodeShape(r0, 1, s), f"admit@{nb}x{s}")
+                    for nb in sizes for s in (slots if every else [last])]
+        else:
+            out += [ProgramSpec.prefill(self.batch, "prefill"),
+                    ProgramSpec.start(self.batch, self.first_cache, "start")]
+        out += [ProgramSpec.segment(d, f"decode@{d.rows}x{d.slots}")
+                for d in self.decode_shapes(every)]
+        bucket_rows = [(r0, g0)] + [(r, 1) for r in self.smaller_rows]
+        states = bucket_rows if every else bucket_rows[:1]
+        grows = list(zip(slots, slots[1:])) if every else [self.grow] if self.grow else []
+        out += [ProgramSpec.regroup(DecodeShape(r, g, s), s2,
+                                    label=f"grow@{s2}" if r == r0 else f"grow@{r}x{s2}")
+                for r, g in states for s, s2 in grows]
+        for r, g in states:
+            for r1 in [x for x in self.smaller_rows if x < r][(0 if every else -1):]:
+                for s, s2 in (zip(slots, slots[1:] + [last]) if every else [(last, last)]):
+                    for cap in sorted({s, s2}):
+                        out.append(ProgramSpec.regroup(
+                            DecodeShape(r, g, s), cap, rows=r1,
+                            label=f"drop@{r1}" if (r, s, cap) == (r0, last, last)
+                            else f"drop@{r}x{s}>{r1}x{cap}"))
+                out.append(ProgramSpec.gather_rows(
+                    r1, r, g, label=f"rows@{r1}" if r == r0 else f"rows@{r}>{r1}"))
+        return out
+
+    @functools.cached_property
+    def every_program(self) -> frozenset:
+        """`programs(every=True)` as a set: what `allows` looks in."""
+        return frozenset(self.programs(every=True))
+
+    def allows(self, spec: ProgramSpec) -> bool:
+        """Whether `spec` is one of the programs this call may run."""
+        return spec in self.every_program

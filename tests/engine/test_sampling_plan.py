@@ -1,5 +1,6 @@
-"""The sampling plan is the call's plan: every program `sampling.sample` runs has a shape that
-`SamplingPlan` lists (what `analysis.compile_check` compiles and `analysis.memory` sizes)."""
+"""The sampling plan is the call's plan: every program `sampling.sample` runs is one that
+`SamplingPlan.programs` lists (what `analysis.compile_check` compiles and `analysis.memory`
+sizes)."""
 
 from pathlib import Path
 
@@ -9,8 +10,11 @@ import pytest
 from flax import nnx
 
 from sage_jax import models
-from sage_jax.engine import programs, sampling
+from sage_jax.analysis import compile_check
+from sage_jax.config import MeshConfig
+from sage_jax.engine import programs, sampling, sampling_plan
 from sage_jax.engine.sampling_plan import Knobs, SamplingPlan
+from sage_jax.infra import parallel
 
 
 def _knobs(g=3, t=40, eos=(3, 7)):
@@ -45,43 +49,73 @@ def _tiny():
     return models.Decoder(cfg, rngs=nnx.Rngs(3))
 
 
+class _Spy:
+    """A sampler program that notes each signature it is called or traced with: (kind, static
+    argument, the shapes and dtypes of its arguments but the weights)."""
+
+    def __init__(self, kind, extra, fn, seen):
+        self.kind, self.extra, self.fn, self.seen = kind, extra, fn, seen
+
+    def _note(self, args):
+        if self.kind in programs.TAKE_PARAMS:
+            args = args[1:]
+        leaves = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args))
+        self.seen.add((self.kind, self.extra, leaves))
+
+    def __call__(self, *args):
+        self._note(args)
+        return self.fn(*args)
+
+    def trace(self, *args):
+        self._note(args)
+        return self.fn.trace(*args)
+
+
+def _spying(monkeypatch, seen, real):
+    """`programs.get` (`real`) noting in `seen` what its programs run."""
+
+    def get(kind, graphdef=None, knobs=None, lay=None, extra=None):
+        return _Spy(kind, extra, real(kind, graphdef, knobs, lay, extra), seen)
+
+    monkeypatch.setattr(programs, "get", get)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("max_rows", [None, 6])
-def test_every_program_a_call_runs_is_in_its_plan(monkeypatch, max_rows):
-    """A call's prefills, decode segments (rows, rows per group, cache slots) and first cache
-    are among its plan's; the regrouped rows are the plan's row buckets."""
-    seen = []
-    real = programs.get
-
-    def spy(kind, *args):
-        fn = real(kind, *args)
-
-        def call(*a):
-            if kind == "segment":
-                st = a[1]
-                seen.append(("segment", st.rows, st.group, st.slots))
-            elif kind == "prefill":
-                seen.append(("prefill",) + tuple(a[1].shape))
-            return fn(*a)
-        return call
-
-    monkeypatch.setattr(programs, "get", spy)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, 16, n).tolist() for n in (4, 9, 6, 2, 11, 5, 3)]
+@pytest.mark.parametrize("max_rows", [None, 16], ids=["lockstep", "continuous"])
+def test_what_calls_run_is_within_what_compile_check_compiles(monkeypatch, max_rows):
+    """Real calls (rows ending at random steps: the cache grows, rows regroup, continuous
+    batching admits prompts as slots free) run only programs, static arguments and argument
+    shapes that `compile_check` compiles for the call's plan (`SamplingPlan.programs(every=True)`),
+    `empty` and `admit` included; and the executor refuses a program its plan does not list."""
+    monkeypatch.setattr(sampling_plan, "FINE_BUCKETS_MIN_PARAMS", 0)  # the 1.5x buckets too
+    mesh = parallel.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     model = _tiny()
-    sampling.generate(model, prompts, max_new_tokens=40, num_samples=3, eos_token_id=(3, 7),
-                      key=jax.random.PRNGKey(5), max_rows=max_rows)
-    plan = SamplingPlan.of(_knobs(), len(prompts), 11, num_params=model.cfg.num_params(),
-                           max_rows=max_rows)
-    shapes = {(d.rows, d.rows_per_group, d.slots) for d in plan.decode_shapes(all_buckets=True)}
-    segments = [s[1:] for s in seen if s[0] == "segment"]
-    assert segments and set(segments) <= shapes, (segments, shapes)
-    prefills = {s[1:] for s in seen if s[0] == "prefill"}
-    if max_rows is None:
-        assert prefills == {(plan.batch, plan.prompt_cols)}
-    else:
-        assert (plan.prefill_prompts, plan.prompt_cols) in prefills
-        assert {p for p, _ in prefills} <= {1, 2}  # admissions of up to 6 // 3 prompts
+    graphdef, params = nnx.split(model)
+    ran, compiled, real = set(), set(), programs.get
+    _spying(monkeypatch, ran, real)
+    rng = np.random.default_rng(0)
+    n = 8 if max_rows is None else 12
+    for seed in range(3):
+        prompts = [rng.integers(4, 16, k).tolist() for k in rng.integers(2, 12, n)]
+        prompts[0] = prompts[0][:1] + [5] * 10  # 11 tokens: the same prompt bucket each call
+        sampling.generate(model, prompts, max_new_tokens=80, num_samples=2, eos_token_id=3,
+                          key=jax.random.PRNGKey(seed), mesh=mesh, max_rows=max_rows)
+    plan = SamplingPlan.of(_knobs(g=2, t=80, eos=(3,)), n, 11, num_params=1, max_rows=max_rows)
+    kinds = {k for k, _, _ in ran}
+    assert kinds >= ({"prefill", "empty", "admit", "segment"} if max_rows else
+                     {"prefill", "start", "segment", "regroup", "rows"}), kinds
+    _spying(monkeypatch, compiled, real)
+    progs = compile_check.plan_programs("rollout", plan, graphdef, params, model.cfg, mesh,
+                                        every=True)
+    assert len(progs) == len(plan.programs(every=True)) and all(q.error is None for q in progs)
+    assert ran <= compiled, sorted(ran - compiled)
+    assert len(compiled) > len(ran)  # `every` lists programs these calls did not need
+    default = {q.name.split("/")[1].split("@")[0] for q in compile_check.plan_programs(
+        "rollout", plan, graphdef, params, model.cfg, mesh)}
+    assert default >= {"prefill", "decode", "grow", "drop", "rows"} | (
+        {"empty", "admit"} if max_rows else {"start"}), default
+    with pytest.raises(RuntimeError, match="not among the programs"):
+        sampling._program(plan, sampling_plan.ProgramSpec.prefill(plan.batch * 2))
 
 
 def test_the_library_docs_show_what_the_plan_says():
@@ -96,3 +130,5 @@ def test_the_library_docs_show_what_the_plan_says():
     assert f"# {plan.continuous}, {plan.prompt_cols}, {plan.schedule}" in doc
     shapes = [(d.rows, d.rows_per_group, d.slots) for d in plan.decode_shapes()]
     assert f"# {shapes}" in doc
+    assert f"# {[q.label for q in plan.programs()]}" in doc
+    assert f"len(plan.programs(every=True))   # {len(plan.programs(every=True))}" in doc

@@ -1,13 +1,18 @@
 """The toy study's report (`scripts/toy_study_report.py`) and claims table
 (`scripts/study_claims.py`) on hand-made run results: the hard split's table and paired
-differences."""
+differences; the toy studies' reconstructed provenance."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+import reconstruct_provenance  # noqa: E402
 import study_claims  # noqa: E402
 import toy_study_report as study  # noqa: E402
 
@@ -67,3 +72,23 @@ def test_phase_table_uses_the_timed_runs_that_logged_phases(tmp_path):
     text = study.report(runs, start, ["grpo", "sage-online"], tmp_path, "note")
     assert "| phase | sage-online (s) |" in text  # grpo logged no phases
     assert "| hint writing | 1.000 (25%) |" in text and "| whole step | 4.000 |" in text
+
+
+@pytest.mark.parametrize("name", ["toy_study", "toy_tail"])
+def test_the_toy_studies_runs_carry_their_reconstructed_provenance(name):
+    """Every run of the two toy studies has a provenance entry, labelled as reconstructed; with
+    the repository's history here, re-reading it gives the committed file (the commit whose
+    results first hold the run, its parent, the arm's overrides there)."""
+    folder = SCRIPTS.parent / "docs" / name
+    prov = json.loads((folder / "provenance.json").read_text())
+    results = json.loads((folder / "results.json").read_text())["runs"]
+    assert set(prov["runs"]) == {f"{r['arm']}-s{r['seed']}" for r in results}
+    assert prov["reconstructed"] is True and prov["label"].startswith("reconstructed")
+    for run, entry in prov["runs"].items():
+        assert entry["overrides"] and all("=" in o for o in entry["overrides"]), run
+        assert all(len(entry[k]) == 40 for k in ("landed_in", "code_no_later_than")), run
+    try:
+        reconstruct_provenance.git("cat-file", "-e", prov["runs"][run]["landed_in"])
+    except subprocess.CalledProcessError:
+        pytest.skip("the repository's history is not here (a shallow clone)")
+    assert reconstruct_provenance.reconstruct(folder) == prov
