@@ -1,7 +1,7 @@
 """`python -m sage_jax.sft [--out DIR] [--config FILE] [section.key=value ...]`: warm-starts the
 toy model on the toy task's SFT mix (settings `task.toy.*` of a run config) and saves it as a
 Hugging Face folder. `--out sage_jax/tasks/toy/toy_sft` regenerates the checkpoint shipped with the
-package. The SFT library is `sage_jax.engine.sft_step`.
+package. The SFT library is `sage_jax.engine.trainer.sft_step`.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sage_jax.bench import workloads  # noqa: E402
 from sage_jax.bench.protocol import CpuShare  # noqa: E402
-from sage_jax.engine import cpu_attention, decode, decode_attention  # noqa: E402
-from sage_jax.engine.sampling_plan import gen_slots, prompt_bucket  # noqa: E402
+from sage_jax.engine.sampler import cpu_attention, decode, decode_attention  # noqa: E402
+from sage_jax.engine.sampler.sampling_plan import gen_slots, prompt_bucket  # noqa: E402
 from sage_jax.infra import provenance  # noqa: E402
 
 STEPS, REPEATS = 16, 7

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sage_jax import models  # noqa: E402
 from sage_jax.models.presets import PRESETS  # noqa: E402
-from sage_jax.engine import sampling_plan  # noqa: E402
+from sage_jax.engine.sampler import sampling_plan  # noqa: E402
 from sage_jax.analysis import compile_check as aot, memory  # noqa: E402
 from sage_jax.tasks import registry  # noqa: E402
 

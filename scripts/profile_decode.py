@@ -3,7 +3,7 @@
     SMOL_HF=<folder> python scripts/profile_decode.py [--rows 32,16,8] [--slots 256] [--json]
     TORCH_PY=<python with torch> ... also times the same matrix products in torch (oneDNN)
 
-Times, per row count R, one decode step of the sampler (`engine.decode._step` and greedy
+Times, per row count R, one decode step of the sampler (`engine.sampler.decode._step` and greedy
 selection, as a segment runs it) and its parts, each as 16 steps inside one jitted loop so that
 no dispatch is counted (median of 7 runs):
   step        the whole step: embedding, 30 layers, final norm, LM head, token choice;
@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 
 from sage_jax import models  # noqa: E402
 from sage_jax.bench import workloads  # noqa: E402
-from sage_jax.engine import decode  # noqa: E402
+from sage_jax.engine.sampler import decode  # noqa: E402
 
 STEPS, REPEATS = 16, 7
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from sage_jax import models
-from sage_jax.engine import sft_step as sft
+from sage_jax.engine.trainer import sft_step as sft
 from sage_jax.infra import provenance
 from sage_jax.tasks import registry
 from sage_jax.tasks.words import hf_warm_start as warm

@@ -1,5 +1,5 @@
 """A reference gradient for the update tests: one mini-batch's gradient, accumulated over
-micro-batches exactly as `engine.update.train_step` accumulates it for one optimiser update."""
+micro-batches exactly as `engine.trainer.update.train_step` accumulates it for one optimiser update."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from sage_jax.engine import packing, update
+from sage_jax.engine.trainer import packing, update
 
 
 def minibatch_grads(params, batch, *, graphdef, cfg, mesh, chunk=update.DEFAULT_CHUNK,

@@ -48,9 +48,10 @@ from jax.sharding import Mesh, Sharding
 from sage_jax.config import Config
 from sage_jax.infra import hardware, parallel
 from sage_jax import models
-from sage_jax.engine import decode, decode_attention, placement, programs, update
-from sage_jax.engine.sampling_plan import DecodeShape, Knobs, SamplingPlan
-from sage_jax.engine.state import TrainState
+from sage_jax.engine.sampler import decode, decode_attention, placement, programs
+from sage_jax.engine.trainer import update
+from sage_jax.engine.sampler.sampling_plan import DecodeShape, Knobs, SamplingPlan
+from sage_jax.engine.trainer.state import TrainState
 
 GIB = 1024 ** 3
 HEADROOM = 0.10  # the share of HBM a run should leave free (fragmentation, runtime buffers)
@@ -104,7 +105,7 @@ class Program:
     bytes_per_call: int = 0  # per device, read and written by one call (roofline)
     calls: float = 1.0  # per step in the worst case (a decode segment: steps)
     roofline_s: float = 0.0  # per step, all its calls
-    kernels: int = 0  # Pallas decode-attention calls (`engine.decode_attention`) compiled in
+    kernels: int = 0  # Pallas decode-attention calls (`engine.sampler.decode_attention`) compiled in
     gen_cache_bytes: int = 0  # per device, a decode segment's generated-token caches
     read_share: float = 1.0  # of the generated caches, the share a decode step reads (mean)
     whole_bytes_per_call: int = 0  # per device, a decode step reading every cache slot

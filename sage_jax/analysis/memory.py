@@ -30,10 +30,12 @@ from flax import nnx
 from sage_jax import models
 from sage_jax.models.decoder import causal_blocks
 from sage_jax.infra import parallel
-from sage_jax.engine import decode, placement, update
-from sage_jax.engine.sampling_plan import Knobs, SamplingPlan, length_bucket, prompt_bucket
+from sage_jax.engine.sampler import decode, placement
+from sage_jax.engine.trainer import update
+from sage_jax.engine.sampler.sampling_plan import Knobs, SamplingPlan, prompt_bucket
+from sage_jax.engine.trainer.packing import length_bucket
 from sage_jax.config import OptimConfig
-from sage_jax.engine.state import TrainState, master_params
+from sage_jax.engine.trainer.state import TrainState, master_params
 
 GIB = 1024 ** 3
 F32 = 4  # bytes of a float32

@@ -25,7 +25,7 @@ import numpy as np
 
 from sage_jax import models
 from sage_jax.bench import protocol, random_model, real, update_bench, workloads
-from sage_jax.engine import sampling, sampling_plan
+from sage_jax.engine.sampler import sampling, sampling_plan
 
 
 def _synthetic(w, seed):

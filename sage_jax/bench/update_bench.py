@@ -10,7 +10,7 @@ tokens/s per core this process got (`cpu_during_timed.own_cores`), for contended
 
 On the `real` workload (`bench.real`: SmolLM2-135M-Instruct, GSM8K chat prompts) the rows are
 the sampler's own greedy answers to the prompts (sampled once, untimed), each prompt + answer,
-right-padded to a `sampling_plan.length_bucket` as the trainer's batches are, then packed end to end
+right-padded to a `packing.length_bucket` as the trainer's batches are, then packed end to end
 (`rl.padding_free`, the default) unless SAGE_JAX_BENCH_PADDING_FREE=0; tokens_per_s counts real
 (prompt + answer) tokens, "padding_share" is the share of the token slots the update computes
 that are padding, "padded_share" that of the right-padded batch.
@@ -34,7 +34,8 @@ import numpy as np
 from sage_jax import config as config_lib, models
 from sage_jax.infra import parallel
 from sage_jax.bench import protocol, random_model, real, workloads
-from sage_jax.engine import packing, sampling, sampling_plan, update
+from sage_jax.engine.sampler import sampling
+from sage_jax.engine.trainer import packing, update
 
 MICRO_BATCH = os.environ.get("SAGE_JAX_BENCH_MICRO")  # rows per micro-batch (None: by workload)
 CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
@@ -89,7 +90,7 @@ def _real_rows(w, data_dir=None):
                           num_samples=1, max_new_tokens=s["max_new_tokens"], temperature=0.0,
                           eos_ids=(eos,), pad_id=eos)
     answers = [out.tokens[i, 0, :n].tolist() for i, n in enumerate(out.lengths[:, 0])]
-    width = sampling_plan.length_bucket(max(len(p) + len(a) for p, a in zip(prompts, answers)))
+    width = packing.length_bucket(max(len(p) + len(a) for p, a in zip(prompts, answers)))
     tokens = np.full((len(prompts), width), eos, np.int32)
     mask = np.zeros(tokens.shape, bool)
     loss_mask = np.zeros(tokens.shape, bool)

@@ -313,7 +313,7 @@ class RolloutConfig(Section):
     # native: compiled sampler programs kept between steps; past it, the engine drops them all
     # at its sync (the next step compiles or reloads what it needs). More: fewer recompiles,
     # more host memory (about 22 MB a program for a 30-layer 135M model). None =
-    # `engine.programs.budget` of the model's layers (48 for 30 layers).
+    # `engine.sampler.programs.budget` of the model's layers (48 for 30 layers).
     programs_kept: int | None = None
 
     def validate(self) -> None:

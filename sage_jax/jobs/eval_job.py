@@ -17,9 +17,8 @@ import jax.numpy as jnp
 from sage_jax import config as config_lib, models
 from sage_jax.infra import provenance, rewards
 from sage_jax.eval import accuracy as eval_lib
-from sage_jax.rl import engines
 from sage_jax.rl.types import RolloutEngine
-from sage_jax.run import restore, vllm_engine
+from sage_jax.run import build, restore, vllm_engine
 from sage_jax.tasks import registry
 from sage_jax.tasks.benchmarks import BENCHMARKS
 from sage_jax.tasks.math import ANSWER_SYSTEM, MathTask
@@ -73,21 +72,17 @@ def _engine(args, model, task, cfg, folder, max_len: int) -> RolloutEngine:
     """The `--engine` that samples (default: the run's `rollout.engine`, else native), synced
     to the model's weights."""
     name = args.engine or (cfg.rollout.engine if cfg is not None else "native")
-    graphdef, params = models.split(model)
-    if name == "native":
-        return engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id)
     _check_installed(name)
-    if folder is None:
+    if name == "vllm" and folder is None:
         raise config_lib.ConfigError("--engine vllm starts from a Hugging Face model folder, and "
                                      "this run has none (model.path): use --engine native",
                                      key="engine")
-    rollout = cfg.rollout if cfg is not None else config_lib.RolloutConfig()
-    engine = vllm_engine.VllmEngine(folder, model.cfg, graphdef,
-                                    dtype=jnp.dtype(model.compute_dtype).name,
-                                    memory=rollout.vllm_memory, max_len=max_len,
-                                    eos_ids=task.eos_ids, pad_id=task.pad_id, seed=args.seed)
-    engine.sync(params)
-    return engine
+    graphdef, params = models.split(model)
+    return build.engine_named(name, model.cfg, graphdef, params, task, folder=folder,
+                              rollout=cfg.rollout if cfg is not None else
+                              config_lib.RolloutConfig(),
+                              dtype=jnp.dtype(model.compute_dtype).name, max_len=max_len,
+                              seed=args.seed)
 
 
 def _problems(args, cfg, data_dir):

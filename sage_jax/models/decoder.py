@@ -321,7 +321,7 @@ class Decoder(nnx.Module):
                           index=cache.index + t)
 
     def packed_hidden(self, tokens_ZxL, segments_ZxL):
-        """Final-norm hidden states [Z, L, D] of rows packed end to end (`engine.packing`):
+        """Final-norm hidden states [Z, L, D] of rows packed end to end (`engine.trainer.packing`):
         `segments_ZxL` is 0 on padding and 1, 2, ... on the packed rows; a token attends within
         its own row only and positions restart at 0 in each row."""
         z, length = tokens_ZxL.shape

@@ -3,31 +3,55 @@ it).
 
 Shapes: B prompts, G answers each, N = B*G rows (prompt-major: row b*G + g), T answer columns
 (rl.max_new_tokens), L train-row columns
-(a `sampling_plan.length_bucket` of the longest prompt + answer: the same few sizes at every step,
+(a `packing.length_bucket` of the longest prompt + answer: the same few sizes at every step,
 each one update program).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from sage_jax.config import Config
 from sage_jax.core import grpo
-from sage_jax.engine import packing, sampling_plan, update
+from sage_jax.engine.trainer import packing, update
 from sage_jax.rl.types import Rollout
 
 
-def update_batch(ro: Rollout, settings: update.UpdateSettings, *, padding_free: bool,
-                 pad_id: int = 0, loss_context: str = "hinted", adv_scale: str = "group",
-                 sampler_logprobs: bool = False) -> dict[str, np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    """How a run's rollouts become the update's batch, built once (`of`): `padding_free`
+    (rl.padding_free), `loss_context` (rl.loss_context), `adv_scale` (rl.adv_scale),
+    `sampler_logprobs` (the sampler's log-probs as the old ones: rl.old_logprobs=sampler, in
+    the hinted context, from an engine whose log-probs are the trainer's model's), and the
+    task's `pad_id`."""
+
+    padding_free: bool = True
+    pad_id: int = 0
+    loss_context: str = "hinted"
+    adv_scale: str = "group"
+    sampler_logprobs: bool = False
+
+    @classmethod
+    def of(cls, cfg: Config, pad_id: int, trainer_logprobs: bool = True) -> "BatchSettings":
+        return cls(padding_free=cfg.rl.padding_free, pad_id=pad_id,
+                   loss_context=cfg.rl.loss_context, adv_scale=cfg.rl.adv_scale,
+                   sampler_logprobs=cfg.rl.old_logprobs == "sampler"
+                   and cfg.rl.loss_context == "hinted" and trainer_logprobs)
+
+
+def update_batch(ro: Rollout, settings: update.UpdateSettings,
+                 batch: BatchSettings) -> dict[str, np.ndarray]:
     """The batch `update.TrainStep` takes, of a rollout's rows (`train_rows`): with
-    `padding_free` (rl.padding_free), packed end to end (`packing.pack_rows`) in sequences of the
-    run's longest row (`settings.row_len`); else one row per sequence (`packing.as_packed` of
+    `batch.padding_free`, packed end to end (`packing.pack_rows`) in sequences of the run's
+    longest row (`settings.row_len`); else one row per sequence (`packing.as_packed` of
     `train_batch`'s padded layout, L columns)."""
-    rows = train_rows(ro, loss_context=loss_context, adv_scale=adv_scale,
-                      sampler_logprobs=sampler_logprobs)
-    width = sampling_plan.length_bucket(max(len(t) for t in rows["tokens"]))
-    if not padding_free:
-        return packing.as_packed(packing.pad_rows(rows, width, pad_id))
+    rows = train_rows(ro, loss_context=batch.loss_context, adv_scale=batch.adv_scale,
+                      sampler_logprobs=batch.sampler_logprobs)
+    width = packing.length_bucket(max(len(t) for t in rows["tokens"]))
+    if not batch.padding_free:
+        return packing.as_packed(packing.pad_rows(rows, width, batch.pad_id))
     m, u, r = update.batch_split(len(rows["tokens"]), settings)
     return packing.pack_rows(rows, minibatches=m, micro_batches=u, micro_rows=r,
                              width=max(width, settings.row_len))
@@ -39,7 +63,7 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
     right-padded to L (positions count valid tokens, so this equals a left-padded prompt)."""
     rows = train_rows(ro, loss_context=loss_context, adv_scale=adv_scale,
                       sampler_logprobs=sampler_logprobs)
-    width = sampling_plan.length_bucket(max(len(t) for t in rows["tokens"]))
+    width = packing.length_bucket(max(len(t) for t in rows["tokens"]))
     return packing.pad_rows(rows, width, pad_id)
 
 

@@ -1,40 +1,60 @@
 """Rollout engines: what samples a run's answers (the RL passes, validation, evaluation and the
 toy gate), behind one interface (`types.RolloutEngine`): `NativeEngine`, the jit sampler of
-`engine.sampling` on the trainer's own weights (the TPU path, the default), here; vLLM's
+`engine.sampler.sampling` on the trainer's own weights (the TPU path, the default), here; vLLM's
 (`run.vllm_engine.VllmEngine`), an optional extra. `run.build.rollout_engine` picks one from
 `rollout.engine`. `StepSampler` is the rollout's `GroupSampler` on any engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from sage_jax.engine import programs, sampling, sampling_plan
+from sage_jax.engine.sampler import programs, sampling, sampling_plan
+from sage_jax.config import Config
 from sage_jax.rl.types import Rollout, RolloutEngine, Samples
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """The native sampler's settings of a run (`rollout.*`), built once (`of`).
+
+    `max_rows`: at most this many answer rows decode at once (`rollout.micro_batch_size`;
+    None: all at once): a call samples its prompts in chunks of whole groups, or with
+    `continuous` (`rollout.continuous_batching`) in one `sampling.sample` call that refills
+    finished rows' slots. `programs_kept`: compiled sampler programs kept at each sync
+    (`rollout.programs_kept`, by default `programs.budget` of the model's layers; None: keep
+    all)."""
+
+    max_rows: int | None = None
+    continuous: bool = False
+    programs_kept: int | None = None
+
+    @classmethod
+    def of(cls, cfg: Config, num_layers: int) -> "SamplerSettings":
+        kept = cfg.rollout.programs_kept
+        return cls(max_rows=cfg.rollout.micro_batch_size,
+                   continuous=cfg.rollout.continuous_batching,
+                   programs_kept=programs.budget(num_layers) if kept is None else kept)
 
 
 class NativeEngine:
     """The jit sampler on the policy's weights where they are (the trainer's, on its mesh: no
     host round trip, nothing copied at a sync).
 
-    `mesh`: the mesh the weights live on; prompt rows and KV caches are placed on it (see
-    `sampling`); None: no placement (one device). `max_rows`: at most this many answer rows
-    decode at once (`rollout.micro_batch_size`; None: all at once): a call samples its prompts
-    in chunks of whole groups, or with `continuous` (`rollout.continuous_batching`) in one
-    `sampling.sample` call that refills finished rows' slots. `programs_kept`: compiled sampler
-    programs kept at each sync (`rollout.programs_kept`; None: keep all)."""
+    `eos_ids`, `pad_id`: the task's. `mesh`: the mesh the weights live on; prompt rows and KV
+    caches are placed on it (see `sampling`); None: no placement (one device). `settings`: the
+    run's `SamplerSettings` (default: every row at once, every program kept)."""
 
     name = "native"
     trainer_logprobs = True  # its log-probs are the trainer's model's: they may be old log-probs
 
     def __init__(self, graphdef, params, *, eos_ids: Sequence[int], pad_id: int, mesh=None,
-                 max_rows: int | None = None, continuous: bool = False,
-                 programs_kept: int | None = None):
-        self.graphdef, self.params, self.mesh = graphdef, params, mesh
-        self.max_rows, self.continuous, self.programs_kept = max_rows, continuous, programs_kept
+                 settings: SamplerSettings = SamplerSettings()):
+        self.graphdef, self.params, self.mesh, self.settings = graphdef, params, mesh, settings
         self.eos_ids, self.pad_id = tuple(int(e) for e in eos_ids), int(pad_id)
 
     def sync(self, params: Any) -> dict[str, float]:
@@ -42,15 +62,16 @@ class NativeEngine:
         Returns {"programs/held", "programs/dropped"}."""
         self.params = params
         held = programs.compiled()  # new prompt lengths compile more of them
-        dropped = 0 if self.programs_kept is None else programs.drop(self.programs_kept)
+        kept = self.settings.programs_kept
+        dropped = 0 if kept is None else programs.drop(kept)
         return {"programs/held": held, "programs/dropped": int(dropped)}
 
     def sample(self, prompts: Sequence[Sequence[int]], *, key, prompt_ids, num_samples: int,
                max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> Samples:
-        per_call = len(prompts)
-        if self.max_rows is not None and not self.continuous:
-            per_call = max(1, self.max_rows // num_samples)
-        rows = None if self.max_rows is None else max(self.max_rows, num_samples)
+        per_call, most = len(prompts), self.settings.max_rows
+        if most is not None and not self.settings.continuous:
+            per_call = max(1, most // num_samples)
+        rows = None if most is None else max(most, num_samples)
         ids = np.asarray(prompt_ids, np.int32)
         parts = []
         for i in range(0, len(prompts), per_call):

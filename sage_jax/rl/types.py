@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from sage_jax.core import sage
-from sage_jax.engine.state import SageArrays
+from sage_jax.engine.trainer.state import SageArrays
 
 
 class Samples(NamedTuple):

@@ -4,6 +4,7 @@ rollout engine. Tasks come from `tasks.registry`; nothing here knows a task by n
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -11,9 +12,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sage_jax import config as config_lib, models
-from sage_jax.config import Config
-from sage_jax.engine import programs, update
-from sage_jax.engine.state import TrainState
+from sage_jax.config import Config, RolloutConfig
+from sage_jax.engine.trainer import update
+from sage_jax.engine.trainer.state import TrainState
 from sage_jax.rl import engines
 from sage_jax.rl.types import RolloutEngine, SageTables
 from sage_jax.run import vllm_engine
@@ -99,9 +100,36 @@ def rollout_engine(cfg: Config, dims: models.DecoderConfig, graphdef: nnx.GraphD
     placed on `mesh`): `native` samples them where they are; `vllm` starts vLLM from
     model.path."""
     if cfg.rollout.engine == "vllm":
-        return vllm_engine.build(cfg, dims, graphdef, params, task.eos_ids, task.pad_id)
-    kept = (programs.budget(dims.num_layers) if cfg.rollout.programs_kept is None
-            else cfg.rollout.programs_kept)
-    return engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id,
-                                mesh=mesh, max_rows=cfg.rollout.micro_batch_size,
-                                continuous=cfg.rollout.continuous_batching, programs_kept=kept)
+        vllm_engine.check(cfg)
+        return engine_named("vllm", dims, graphdef, params, task,
+                            folder=models.hub.resolve(cfg.model.path), rollout=cfg.rollout,
+                            dtype=cfg.model.compute_dtype, seed=cfg.train.seed,
+                            max_len=max(update.row_len(cfg), cfg.hint.max_request_tokens
+                                        + cfg.hint.max_new_tokens))
+    return engine_named("native", dims, graphdef, params, task, mesh=mesh,
+                        sampler=engines.SamplerSettings.of(cfg, dims.num_layers))
+
+
+def engine_named(name: str, dims: models.DecoderConfig, graphdef: nnx.GraphDef, params: Any,
+                 task: Task, *, mesh: Mesh | None = None,
+                 sampler: engines.SamplerSettings = engines.SamplerSettings(),
+                 folder: Path | None = None, rollout: RolloutConfig = RolloutConfig(),
+                 dtype: str = "bfloat16", max_len: int = 0, seed: int = 0) -> RolloutEngine:
+    """The rollout engine `name` (`RolloutConfig.engine`'s values), synced to `params`: the one
+    place that builds an engine. `native`: on `mesh` with `sampler`; `vllm`: started from the
+    Hugging Face model `folder` with `rollout.vllm_memory`, computing in `dtype`, for
+    sequences up to `max_len` tokens, seeded with `seed`."""
+    if name == "native":
+        return engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id,
+                                    mesh=mesh, settings=sampler)
+    if name == "vllm":
+        if folder is None:
+            raise config_lib.ConfigError(
+                "the vLLM engine starts from a Hugging Face model folder (model.path), and "
+                "there is none: use the native engine", key="rollout.engine")
+        engine = vllm_engine.VllmEngine(folder, dims, graphdef, dtype=dtype,
+                                        memory=rollout.vllm_memory, max_len=max_len,
+                                        eos_ids=task.eos_ids, pad_id=task.pad_id, seed=seed)
+        engine.sync(params)
+        return engine
+    raise config_lib.ConfigError(f"unknown rollout engine {name!r}", key="rollout.engine")

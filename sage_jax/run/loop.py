@@ -24,9 +24,9 @@ from sage_jax.infra import checkpoint, distributed, metrics as metrics_lib
 from sage_jax import config as config_lib
 from sage_jax.config import Config
 from sage_jax.infra import host_memory, parallel, provenance, rewards, wandb_log
-from sage_jax.engine import update
+from sage_jax.engine.trainer import update
 from sage_jax.analysis import compile_check
-from sage_jax.engine.state import TrainState
+from sage_jax.engine.trainer.state import TrainState
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.rl import batching, engines, rollout
 from sage_jax.rl.types import Rollout, RolloutEngine, SageTables
@@ -144,6 +144,7 @@ class _Run:
     tables: SageTables  # host copies of the saved state.sage, updated in place by the rollout
     ckpt: checkpoint.Checkpointer
     step_fn: update.TrainStep
+    batch: batching.BatchSettings  # how a rollout becomes the update's batch
     scorer: distributed.ShardedScorer
     logger: metrics_lib.MetricsLogger
     eval_problems: dict[str, list[Problem]] | None
@@ -245,6 +246,7 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 tables=SageTables.from_arrays(state.sage),
                 ckpt=ckpt,
                 step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
+                batch=batching.BatchSettings.of(cfg, task.pad_id, engine.trainer_logprobs),
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
                 last_saved=start, engine=engine)
 
@@ -280,12 +282,7 @@ def _step(run: _Run, step: int) -> dict:
         host_memory.trim()  # what sampling freed, before the update's peak
         # The old log-probs are JAX's: another engine's are only compared with them (`gap`).
         gap = run.engine.logprob_gap(ro)
-        batch = batching.update_batch(ro, run.step_fn.settings, padding_free=cfg.rl.padding_free,
-                                      loss_context=cfg.rl.loss_context,
-                                      adv_scale=cfg.rl.adv_scale, pad_id=task.pad_id,
-                                      sampler_logprobs=cfg.rl.old_logprobs == "sampler"
-                                      and cfg.rl.loss_context == "hinted"
-                                      and run.engine.trainer_logprobs)
+        batch = batching.update_batch(ro, run.step_fn.settings, run.batch)
     with timer("update"):
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(

@@ -25,7 +25,6 @@ import numpy as np
 from sage_jax import models
 from sage_jax.config import Config, ConfigError
 from sage_jax.core import grpo
-from sage_jax.engine import update
 from sage_jax.rl import batching
 from sage_jax.rl.types import Rollout, Samples
 
@@ -38,24 +37,16 @@ def installed() -> bool:
 
 
 def check(cfg: Config) -> None:
-    """Raises a one-line `ConfigError` when `cfg.rollout.engine` cannot sample in this process."""
-    if cfg.rollout.engine == "vllm" and not installed():
+    """Raises a one-line `ConfigError` when `cfg.rollout.engine` cannot sample in this process:
+    vLLM not installed, or not one process on a Hugging Face model (model.path)."""
+    if cfg.rollout.engine != "vllm":
+        return
+    if not installed():
         raise ConfigError(f"rollout.engine=vllm needs vLLM, which is not installed: {INSTALL}",
                           key="rollout.engine")
-
-
-def build(cfg: Config, dims: models.DecoderConfig, graphdef, params: Any,
-          eos_ids: Sequence[int], pad_id: int) -> "VllmEngine":
-    """The run's vLLM engine, started from model.path and given `params` (a resumed run's)."""
     if not cfg.model.path or jax.process_count() > 1:
         raise ConfigError("rollout.engine=vllm runs in one process on a Hugging Face model "
                           "(model.path); use rollout.engine=native here", key="rollout.engine")
-    longest = max(update.row_len(cfg), cfg.hint.max_request_tokens + cfg.hint.max_new_tokens)
-    engine = VllmEngine(models.hub.resolve(cfg.model.path), dims, graphdef,
-                        dtype=cfg.model.compute_dtype, memory=cfg.rollout.vllm_memory,
-                        max_len=longest, eos_ids=eos_ids, pad_id=pad_id, seed=cfg.train.seed)
-    engine.sync(params)
-    return engine
 
 
 def logprob_gap(graphdef, params, ro: Rollout, pad_id: int) -> dict[str, float]:

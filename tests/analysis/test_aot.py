@@ -21,7 +21,7 @@ import pytest
 
 from sage_jax import models
 from sage_jax.infra import hardware, parallel
-from sage_jax.engine import placement
+from sage_jax.engine.sampler import placement
 from sage_jax.analysis import compile_check as aot
 from sage_jax.tasks import registry
 
@@ -376,7 +376,7 @@ KERNEL_SHAPES = """
 import sys, jax, jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 from sage_jax.infra import hardware
-from sage_jax.engine import decode_attention as da
+from sage_jax.engine.sampler import decode_attention as da
 dev = hardware.compile_devices(hardware.parse(sys.argv[1]))[0]
 impl, sh = da.PLATFORMS[dev.platform], SingleDeviceSharding(dev)
 arg = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=sh)

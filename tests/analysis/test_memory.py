@@ -18,7 +18,8 @@ from flax import nnx
 from grad_fixtures import minibatch_grads
 from sage_jax.run import build
 from sage_jax.core import grpo
-from sage_jax.engine import packing, programs, sampling, sampling_plan, update
+from sage_jax.engine.sampler import programs, sampling, sampling_plan
+from sage_jax.engine.trainer import packing, update
 from sage_jax.analysis import memory
 from sage_jax import models
 from sage_jax.infra import parallel

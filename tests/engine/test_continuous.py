@@ -7,7 +7,7 @@ from flax import nnx
 
 from sage_jax import models
 from sage_jax.config import MeshConfig
-from sage_jax.engine import decode, sampling, sampling_plan
+from sage_jax.engine.sampler import decode, sampling, sampling_plan
 from sage_jax.infra import parallel
 
 

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (`engine/cpu_attention.cc`, an XLA FFI call) equals the XLA
+"""The CPU decode-attention kernel (`engine/sampler/cpu_attention.cc`, an XLA FFI call) equals the XLA
 path (`decode._attend` and the cache scatter of `decode_attention.write_rows`, the path the
 parity tests check against transformers): one layer on empty, partial and full ranges, per
 shard on the 8-device mesh, and whole sampling calls; its build cache is keyed and atomic, and
@@ -18,7 +18,7 @@ from flax import nnx
 
 from sage_jax import models
 from sage_jax.config import MeshConfig
-from sage_jax.engine import cpu_attention, decode, decode_attention, placement, programs, sampling
+from sage_jax.engine.sampler import cpu_attention, decode, decode_attention, placement, programs, sampling
 from sage_jax.infra import parallel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,7 +145,7 @@ def test_the_build_key_changes_with_source_flags_and_cpu(monkeypatch, tmp_path):
     assert cpu_attention.build_key(cxx) == key
 
 
-BUILD = ("import sys\nfrom pathlib import Path\nfrom sage_jax.engine import cpu_attention as c\n"
+BUILD = ("import sys\nfrom pathlib import Path\nfrom sage_jax.engine.sampler import cpu_attention as c\n"
          "print(c.build(c.compiler(), Path(sys.argv[1])))")
 
 
@@ -162,7 +162,7 @@ def test_concurrent_builds_leave_one_whole_library(tmp_path):
     assert check.returncode == 0, check.stderr
 
 
-STATUS = ("from sage_jax.engine import cpu_attention as c, decode_attention as d\n"
+STATUS = ("from sage_jax.engine.sampler import cpu_attention as c, decode_attention as d\n"
           "print(c.status()[0], d.supports(d.implementation(None), 16, 16, 16, ()))")
 
 

@@ -1,4 +1,4 @@
-"""The Pallas decode-attention kernels (`engine/decode_attention.py`) equal the XLA path
+"""The Pallas decode-attention kernels (`engine/sampler/decode_attention.py`) equal the XLA path
 (`decode._attend`, the one the parity tests check against transformers): one layer's attention
 on ranges that start, end and cross column blocks, empty and whole; then whole sampling calls
 on a mesh. Both kernels run in Pallas interpret mode on CPU; `tests/analysis/test_aot.py`
@@ -14,7 +14,7 @@ from flax import nnx
 
 from sage_jax import models
 from sage_jax.config import MeshConfig
-from sage_jax.engine import decode, decode_attention, programs, sampling
+from sage_jax.engine.sampler import decode, decode_attention, programs, sampling
 from sage_jax.infra import parallel
 
 

@@ -1,4 +1,4 @@
-"""The padding-free update (`engine.packing`): rows packed end to end give the padded batch's
+"""The padding-free update (`engine.trainer.packing`): rows packed end to end give the padded batch's
 per-row log-probs, loss, gradients and training step, in every loss aggregation, with one batch
 shape per run and the micro-batches of padding skipped."""
 
@@ -14,7 +14,7 @@ from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import Config, DataConfig, MeshConfig, OptimConfig, RLConfig, TrainConfig
 from sage_jax.core import grpo
-from sage_jax.engine import packing, update
+from sage_jax.engine.trainer import packing, update
 
 settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
 

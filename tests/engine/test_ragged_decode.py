@@ -15,8 +15,8 @@ from flax import nnx
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import MeshConfig
-from sage_jax.engine import programs, sampling, sampling_plan
-from sage_jax.engine.select import select
+from sage_jax.engine.sampler import programs, sampling, sampling_plan
+from sage_jax.engine.sampler.select import select
 
 T = 150  # rows end at many different steps; the cache grows from 32 to 152 slots
 

@@ -11,7 +11,8 @@ from hf_reference import TINY_CONFIGS, make_hf_model
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.config import MeshConfig
-from sage_jax.engine import decode, placement, programs, sampling, sampling_plan
+from sage_jax.engine.sampler import decode, placement, programs, sampling, sampling_plan
+from sage_jax.engine.trainer import packing
 
 
 def _tiny(vocab=97, seed=0, **kw):
@@ -366,10 +367,10 @@ def test_chunked_prefill_of_long_prompts_gives_the_same_result(monkeypatch, rema
 
 
 def test_length_bucket_pads_under_an_eighth():
-    assert [sampling_plan.length_bucket(n) for n in (1, 16, 17, 100, 129, 145, 1000, 8300)] == [
+    assert [packing.length_bucket(n) for n in (1, 16, 17, 100, 129, 145, 1000, 8300)] == [
         16, 16, 32, 112, 144, 160, 1024, 9216]
     for n in range(1, 5000, 7):
-        b = sampling_plan.length_bucket(n)
+        b = packing.length_bucket(n)
         assert n <= b and (b - n) < max(16, n / 8)
 
 

@@ -12,8 +12,8 @@ from flax import nnx
 from sage_jax import models
 from sage_jax.analysis import compile_check
 from sage_jax.config import MeshConfig
-from sage_jax.engine import programs, sampling, sampling_plan
-from sage_jax.engine.sampling_plan import Knobs, SamplingPlan
+from sage_jax.engine.sampler import programs, sampling, sampling_plan
+from sage_jax.engine.sampler.sampling_plan import Knobs, SamplingPlan
 from sage_jax.infra import parallel
 
 

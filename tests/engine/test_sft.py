@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from sage_jax import models
-from sage_jax.engine import sft_step as sft
+from sage_jax.engine.trainer import sft_step as sft
 from sage_jax.models.decoder import Decoder
 from sage_jax.rl import engines
 from sage_jax.rl.types import Samples

@@ -14,9 +14,9 @@ from grad_fixtures import minibatch_grads
 from sage_jax.core import grpo
 from sage_jax import models
 from sage_jax.infra import parallel
-from sage_jax.engine import packing, update
+from sage_jax.engine.trainer import packing, update
 from sage_jax.config import Config, MeshConfig, OptimConfig, RLConfig, TrainConfig
-from sage_jax.engine.state import TrainState
+from sage_jax.engine.trainer.state import TrainState
 
 settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
 

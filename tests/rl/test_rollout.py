@@ -8,7 +8,8 @@ import pytest
 
 from sage_jax.rl import batching, rollout
 from sage_jax.config import Config, DataConfig, HintConfig, RLConfig
-from sage_jax.engine import packing, sampling_plan, update
+from sage_jax.engine.sampler import sampling_plan
+from sage_jax.engine.trainer import packing, update
 from sage_jax.tasks.base import PayloadHints
 from sage_jax.tasks.data import Example
 
@@ -294,7 +295,7 @@ def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
 
     from sage_jax.core import grpo
     from sage_jax import models
-    from sage_jax.engine import sampling
+    from sage_jax.engine.sampler import sampling
     ex = make_examples([0, 2, 3, 1])
     out, _, _ = run("sage", ex)
     batch = batching.train_batch(out, loss_context="hinted")
@@ -308,7 +309,7 @@ def test_packed_train_rows_give_the_log_probs_of_left_padded_rows():
     old_mask = np.concatenate([pmask[rows], alive], 1)
     old_loss = np.concatenate([np.zeros_like(pmask[rows]), alive], 1)
     longest = max(len(out.prompts[r]) + n for r, n in zip(rows, out.samples.lengths.ravel()))
-    assert batch["tokens_NxL"].shape[1] == sampling_plan.length_bucket(longest)
+    assert batch["tokens_NxL"].shape[1] == packing.length_bucket(longest)
     cfg = models.DecoderConfig(family="llama", vocab_size=128, hidden_size=32,
                              intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                              head_dim=8)
@@ -377,7 +378,8 @@ def test_the_update_batch_is_packed_from_the_rows_as_the_padded_batch_packs(mini
     padded = batching.train_batch(out, pad_id=3)
     for padding_free, want in ((True, update.pack_batch(padded, settings)),
                                (False, packing.as_packed(padded))):
-        got = batching.update_batch(out, settings, padding_free=padding_free, pad_id=3)
+        got = batching.update_batch(
+            out, settings, batching.BatchSettings(padding_free=padding_free, pad_id=3))
         assert got.keys() == want.keys() and packing.is_packed(got)
         for k in want:
             assert got[k].dtype == want[k].dtype, k

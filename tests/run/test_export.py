@@ -19,7 +19,7 @@ from flax import nnx
 
 from sage_jax.infra import checkpoint, parallel
 from sage_jax import export, models
-from sage_jax.engine import update
+from sage_jax.engine.trainer import update
 from sage_jax.run import build, hf_export as export_lib, restore
 from sage_jax.tasks import data as data_lib
 from sage_jax.tasks.toy import calibrate, chains as toy_task, warm_start

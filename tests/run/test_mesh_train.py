@@ -14,7 +14,8 @@ from sage_jax.rl import batching, engines, rollout
 from sage_jax import config, models
 from sage_jax.infra import parallel
 from sage_jax.core import grpo
-from sage_jax.engine import packing, sampling, sampling_plan, update
+from sage_jax.engine.sampler import sampling, sampling_plan
+from sage_jax.engine.trainer import packing, update
 from sage_jax.tasks.toy import chains as toy
 from sage_jax.tasks.data import Example
 
@@ -77,9 +78,7 @@ def one_step(shape):
                              num_samples=GROUP, max_new_tokens=NEW, temperature=0.0,
                              eos_ids=task.eos_ids, prompt_ids_B=idx, pad_id=task.pad_id,
                              mesh=mesh)
-    batch = batching.update_batch(ro, settings_of(CFG), padding_free=CFG.rl.padding_free,
-                                  loss_context=CFG.rl.loss_context, adv_scale=CFG.rl.adv_scale,
-                                  pad_id=task.pad_id)
+    batch = batching.update_batch(ro, settings_of(CFG), batching.BatchSettings.of(CFG, task.pad_id))
     before = jax.tree.map(np.asarray, state.params)  # (the step donates the state)
     state, upd = update.TrainStep(graphdef, settings_of(CFG), mesh)(state,
                                                              parallel.shard_batch(batch, mesh))
@@ -187,7 +186,8 @@ def policy_rollout(graphdef, state, mesh, idx, max_rows, continuous=False):
     task = toy.ToyTask()
     sampler = engines.StepSampler(engines.NativeEngine(
         graphdef, state.params, eos_ids=task.eos_ids, pad_id=task.pad_id, mesh=mesh,
-        max_rows=max_rows, continuous=continuous), jax.random.fold_in(state.rng, 0))
+        settings=engines.SamplerSettings(max_rows=max_rows, continuous=continuous)),
+        jax.random.fold_in(state.rng, 0))
     return rollout.run([EXAMPLES[i] for i in idx], idx, task=task, sampler=sampler,
                        scorer=digit_scorer, rl=CFG.rl, hint=CFG.hint,
                        tables=rollout.SageTables.empty(len(EXAMPLES), CFG.hint.cache_bytes),

@@ -350,7 +350,7 @@ def test_every_pass_and_the_validation_sample_through_the_one_engine_of_the_run(
     """`build.rollout_engine` is called once; the first pass, hint writing, the re-samples and
     the validation all sample through it (no sampler call outside it), and it is synced after
     every update and closed at the end."""
-    from sage_jax.engine import sampling
+    from sage_jax.engine.sampler import sampling
     from sage_jax.run import build
     log, outside = [], []
     real_engine, real_sample = build.rollout_engine, sampling.sample

@@ -36,6 +36,13 @@ def test_the_default_engine_is_native_and_passes_the_check():
         config.load_config("smollm2_gsm8k", ["rollout.vllm_memory=0"])
 
 
+def test_a_vllm_run_without_a_hugging_face_model_fails_the_check_before_any_work(monkeypatch):
+    """grpo_tiny names no model.path: with vLLM installed (here pretended), the check says why."""
+    monkeypatch.setattr(vllm_engine, "installed", lambda: True)
+    with pytest.raises(config.ConfigError, match=r"runs in one process on a Hugging Face model"):
+        vllm_engine.check(config.load_config("grpo_tiny", ["rollout.engine=vllm"]))
+
+
 @needs_no_vllm
 def test_without_vllm_the_key_fails_in_one_line_naming_the_extra(tmp_path, capsys):
     """The toy job (whose first work is a warm start) stops before it starts: nothing written."""

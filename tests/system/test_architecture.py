@@ -164,7 +164,7 @@ def test_no_module_uses_a_private_name_of_another():
 
 def test_the_private_name_reader_sees_both_forms(tmp_path):
     path = tmp_path / "probe.py"
-    path.write_text("from sage_jax.engine import sampling\nfrom sage_jax.core.grpo import _x\n"
+    path.write_text("from sage_jax.engine.sampler import sampling\nfrom sage_jax.core.grpo import _x\n"
                     "sampling._continuous(1)\nsampling.sample()\n")
     assert _private_uses(path) == ["probe.py:2 imports sage_jax.core.grpo._x",
                                    "probe.py:3 uses sampling._continuous"]
@@ -378,7 +378,22 @@ def test_the_training_loop_names_no_rollout_engine():
              if w in src]
     assert not named, named
     imported = {t for t in GRAPH["sage_jax.run.loop"][0]}
-    assert not imported & {"sage_jax.run.vllm_engine", "sage_jax.engine.sampling"}, imported
+    assert not imported & {"sage_jax.run.vllm_engine", "sage_jax.engine.sampler.sampling"}, imported
+
+
+def test_the_engine_is_two_rooms_that_do_not_import_each_other():
+    """engine/ holds the sampler and the trainer, each a sub-package, and no module besides;
+    neither imports the other (what they share is below them: models, infra)."""
+    engine = PACKAGE / "engine"
+    assert not list(engine.glob("*.py"))
+    rooms = {p.name for p in engine.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert rooms == {"sampler", "trainer"}
+    crossing = [f"{m} imports {t}" for m, (targets, _) in GRAPH.items()
+                for a, b in (("sampler", "trainer"), ("trainer", "sampler"))
+                if m.startswith(f"sage_jax.engine.{a}.")
+                for t in targets if t.startswith(f"sage_jax.engine.{b}")]
+    assert not crossing, crossing
+    assert sum(m.startswith("sage_jax.engine.") for m in GRAPH) >= 12
 
 
 def test_every_module_is_in_the_architecture_tree_and_every_folder_in_the_readme_table():
@@ -391,7 +406,7 @@ def test_every_module_is_in_the_architecture_tree_and_every_folder_in_the_readme
     readme = (PACKAGE.parent / "README.md").read_text()
     table = "\n".join(line for line in readme.split("## Library", 1)[1].splitlines()
                       if line.startswith("|"))
-    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and any(p.glob("*.py")))
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and any(p.rglob("*.py")))
     assert len(folders) >= 10, folders
     assert not [f for f in folders if f"`{f}/`" not in table], table
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from sage_jax import models
-from sage_jax.engine import sampling
+from sage_jax.engine.sampler import sampling
 
 pytestmark = pytest.mark.slow
 

@@ -44,7 +44,7 @@ def installed(tmp_path_factory):
     assert "sage_jax/configs/toy.yaml" in names
     assert "sage_jax/tasks/toy/toy_sft/model.safetensors" in names
     assert "sage_jax/tasks/toy/toy_tail_sft/model.safetensors" in names
-    assert "sage_jax/engine/cpu_attention.cc" in names  # built on first use, from the wheel
+    assert "sage_jax/engine/sampler/cpu_attention.cc" in names  # built on first use, from the wheel
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"

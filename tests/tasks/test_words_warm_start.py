@@ -72,7 +72,7 @@ def test_the_cache_key_changes_with_everything_that_changes_the_weights(tiny_qwe
 
 def test_the_code_part_of_the_key_follows_the_imports():
     files = provenance.source_files(ws.__name__)
-    for module in ("sage_jax.tasks.words.hf_warm_start", "sage_jax.engine.sft_step",
+    for module in ("sage_jax.tasks.words.hf_warm_start", "sage_jax.engine.trainer.sft_step",
                    "sage_jax.models.decoder", "sage_jax.tasks.words.problems",
                    "sage_jax.tasks.words.prompts", "sage_jax.core.grpo", "sage_jax.models",
                    "sage_jax"):

@@ -1,6 +1,6 @@
 """Warm start and calibration of the toy testbed.
 
-`warm_start` trains the toy model with `sage_jax.engine.sft_step` on the toy SFT mix and stops when the
+`warm_start` trains the toy model with `sage_jax.engine.trainer.sft_step` on the toy SFT mix and stops when the
 teacher-forced single-step accuracy (at temperature 1) reaches a target, so the policy starts RL
 where single steps are right about 85-90% of the time.
 
@@ -27,7 +27,7 @@ from flax import nnx
 
 from sage_jax.config import HINTED_METHODS
 from sage_jax.core import sage
-from sage_jax.engine import sft_step as sft
+from sage_jax.engine.trainer import sft_step as sft
 from sage_jax.models.decoder import Decoder
 from sage_jax.tasks.toy import chains as toy
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from sage_jax import models
-from sage_jax.engine import sft_step as sft
+from sage_jax.engine.trainer import sft_step as sft
 from sage_jax.infra import provenance
 from sage_jax.models.hf_io import check_model_dir
 from sage_jax.tasks.words import problems as wp

@@ -26,7 +26,7 @@ from flax import nnx
 
 from sage_jax.config import OptimConfig
 from sage_jax.core import grpo
-from sage_jax.engine import update
+from sage_jax.engine.trainer import update
 from sage_jax.models import decoder as dec
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sage_jax.engine import placement
+from sage_jax.engine.sampler import placement
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "sage_decode_attention_cpu"

@@ -14,7 +14,7 @@ layout, the one callers build by hand:
   collapse_N     int8   optional: the group's first-pass status (`core.sage.COLLAPSE_*` codes:
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
-`train_step` takes one form, the packed one (`engine.packing`: Z sequences of L columns, whole
+`train_step` takes one form, the packed one (`engine.trainer.packing`: Z sequences of L columns, whole
 rows end to end per mini-batch, `PACKED_REQUIRED` and `PACKED_OPTIONAL`): `pack_batch` packs a
 padded batch in sequences of the run's longest row (the cost follows the micro-batches that hold
 rows, one without answer tokens is skipped, and a run compiles one program);
@@ -48,8 +48,8 @@ from sage_jax.config import Config, OptimConfig, RLConfig
 from sage_jax.core import grpo, sage
 from sage_jax import models
 from sage_jax.infra import parallel
-from sage_jax.engine import packing, sampling_plan
-from sage_jax.engine.state import TrainState, master_params
+from sage_jax.engine.trainer import packing
+from sage_jax.engine.trainer.state import TrainState, master_params
 
 PACKED_REQUIRED = ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL", "advantages_ZxL",
                    "answer_len_ZxL", "advantages_N", "answer_len_N")
@@ -95,8 +95,8 @@ def total_updates(cfg: Config) -> int:
 
 def row_len(cfg: Config) -> int:
     """Columns of the run's longest training row (`Config.sample_prompt_len` and the longest
-    answer), as `sampling_plan.length_bucket` pads it: the width of every packed batch."""
-    return sampling_plan.length_bucket(cfg.sample_prompt_len() + cfg.rl.max_new_tokens)
+    answer), as `packing.length_bucket` pads it: the width of every packed batch."""
+    return packing.length_bucket(cfg.sample_prompt_len() + cfg.rl.max_new_tokens)
 
 
 def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -154,7 +154,7 @@ def batch_split(n: int, settings: UpdateSettings) -> tuple[int, int, int]:
 
 
 def pack_batch(batch: dict, settings: UpdateSettings) -> dict:
-    """The packed form (`engine.packing`) of a padded numpy batch, for the run's mini-batches,
+    """The packed form (`engine.trainer.packing`) of a padded numpy batch, for the run's mini-batches,
     in sequences of its longest row (`row_len`): every step's batch has one shape."""
     m, u, r = batch_split(len(batch["advantages_N"]), settings)
     return packing.pack(batch, minibatches=m, micro_batches=u, micro_rows=r,
@@ -195,7 +195,7 @@ def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
     if shape[0] != n:
         raise ValueError(f"a packed batch has as many sequences as rows ({n}: {m} "
                          f"mini-batches of {n // m // r} micro-batches of {r}), got {shape[0]} "
-                         f"(engine.packing)")
+                         f"(engine.trainer.packing)")
 
 
 def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, settings: UpdateSettings, chunk,

@@ -79,8 +79,8 @@ from jax.sharding import Mesh
 
 from sage_jax.config import check_sampling
 from sage_jax.infra import distributed, parallel
-from sage_jax.engine import decode, placement, programs
-from sage_jax.engine.sampling_plan import (DecodeShape, Knobs, ProgramSpec, SamplingPlan,
+from sage_jax.engine.sampler import decode, placement, programs
+from sage_jax.engine.sampler.sampling_plan import (DecodeShape, Knobs, ProgramSpec, SamplingPlan,
                                            admit_bucket)
 
 

@@ -46,7 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
-from sage_jax.engine import cpu_attention, placement
+from sage_jax.engine.sampler import cpu_attention, placement
 from sage_jax.models.decoder import MASKED_SCORE
 
 TPU_BLOCKS = (512, 256, 128)  # column blocks (lane-aligned); a cache of other size is one block

@@ -12,8 +12,8 @@ import functools
 
 import jax
 
-from sage_jax.engine import decode, placement
-from sage_jax.engine.sampling_plan import Knobs
+from sage_jax.engine.sampler import decode, placement
+from sage_jax.engine.sampler.sampling_plan import Knobs
 
 KINDS = ("prefill", "start", "segment", "empty", "admit", "regroup", "rows")
 TAKE_PARAMS = ("prefill", "segment")  # the kinds built for a model definition (graphdef)

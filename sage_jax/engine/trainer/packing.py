@@ -29,6 +29,19 @@ from __future__ import annotations
 
 import numpy as np
 
+LENGTH_BUCKET_MIN = 16  # training rows are padded to multiples of 16 up to 256, then of 1/8 of
+#                        their power of two
+
+
+def length_bucket(n: int) -> int:
+    """Padded length of a training row (prompt + answer) of n tokens: the next multiple of 1/8
+    of n's power of two (at least 16): eight sizes per octave, so padding is under 1/8 and
+    recompiles are few."""
+    n = max(int(n), 1)
+    step = max(LENGTH_BUCKET_MIN, 1 << max((n - 1).bit_length() - 4, 0))
+    return -(-n // step) * step
+
+
 PER_ROW = ("advantages_N", "level_N", "collapse_N")
 PER_TOKEN = ("old_logp", "ref_logp")  # optional per-token arrays besides tokens and loss mask
 

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sage_jax.engine import cpu_attention, decode_attention, placement
-from sage_jax.engine.select import is_eos, select
+from sage_jax.engine.sampler import cpu_attention, decode_attention, placement
+from sage_jax.engine.sampler.select import is_eos, select
 from sage_jax.models.decoder import MASKED_SCORE, rope_inv_freq
 
 PREFILL_SCORES_BYTES = 1 << 30  # prefill in chunks of prompts above ~1 GiB of attention scores

@@ -1,9 +1,9 @@
 """The plan of one sampling call: its buckets, cache sizes, row buckets and the programs it runs.
 
 `sampling.sample` executes a `SamplingPlan`, `analysis.compile_check` compiles its programs,
-`analysis.memory` sizes its caches, and the update and the batching code pad their rows with
-`length_bucket` and `prompt_bucket`. Every size a call can take is decided here and nowhere
-else.
+`analysis.memory` sizes its caches, and the rollout pads its prompts with `prompt_bucket`. Every
+size a call can take is decided here and nowhere else (the training rows' is the trainer's:
+`trainer.packing.length_bucket`).
 
 Shapes: B prompts, G samples per prompt, P prompt columns, T = max_new_tokens, S slots of the
 generated-token cache, R decode rows.
@@ -15,7 +15,6 @@ Buckets (each size is a set of programs to compile; padding stays under 1/8 to 1
   `fine`; multiples of the mesh's row shards);
 * cache slots: a power of two >= 32, at most T - 1 rounded up to 8; a call starts with room for
   `DECODE_SEGMENT` steps (all T without EOS ids) and doubles it as rows run longer;
-* training rows: prompt + answer rounded up to 1/8 of its power of two (`length_bucket`).
 `fine` (the 1.5x buckets) is on for models of `FINE_BUCKETS_MIN_PARAMS` parameters and more,
 whose decode steps cost enough to pay for the extra compiles.
 
@@ -42,15 +41,6 @@ ROW_BUCKET_MIN = 8  # rows are regrouped into 8, (12,) 16, (24,) 32, ... (split 
 COARSE_ROW_BUCKET_MIN = 32
 FINE_BUCKETS_MIN_PARAMS = 20_000_000  # the 1.5x row and prompt buckets from this model size up
 ADMIT_SHARE = 4  # continuous batching admits prompts once a quarter of the slots are free
-
-
-def length_bucket(n: int) -> int:
-    """Padded length of a prompt or a training row of n tokens: the next multiple of 1/8 of n's
-    power of two (at least 16): eight sizes per octave, so padding is under 1/8 and recompiles
-    are few."""
-    n = max(int(n), 1)
-    step = max(PROMPT_BUCKET_MIN, 1 << max((n - 1).bit_length() - 4, 0))
-    return -(-n // step) * step
 
 
 def prompt_bucket(n: int, *, fine: bool = True) -> int:
