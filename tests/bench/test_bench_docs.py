@@ -1,4 +1,5 @@
-"""docs/benchmarks.md quotes its sittings' results files (docs/bench/*.jsonl), not typed numbers."""
+"""docs/benchmarks.md and docs/aot.md quote their sittings' and compiles' records (docs/bench/,
+docs/aot/), not typed numbers; figures without a record are on the dated history page."""
 
 import json
 import sys
@@ -9,6 +10,7 @@ DOCS = REPO / "docs"
 sys.path.insert(0, str(REPO / "scripts"))
 
 import aot_decode  # noqa: E402
+import aot_train  # noqa: E402
 import bench_cpu_attention  # noqa: E402
 import bench_vs_trl  # noqa: E402
 import sitting_table  # noqa: E402
@@ -169,3 +171,23 @@ def test_the_cpu_kernel_sitting_is_quoted_from_its_records():
     assert rec["micro"]["cpu"]["other_cores"] <= 0.15  # an uncontended sitting
     assert rec["real"][0]["lengths_sha1"] == rec["real"][1]["lengths_sha1"] == "cc35245e4203"
     assert len(rec["micro"]["commit"]) == 40
+
+
+def test_the_paper_train_steps_are_the_table_of_their_records():
+    """docs/aot.md's paper table is `aot_train.table` of the six train-step records (each
+    `--only train --json`, one commit) beside the rollout records; the figures that had no
+    record are on docs/history.md, labelled as history, and aot.md keeps no text table."""
+    pairs = aot_train.pairs(DOCS / "aot")
+    assert len(pairs) == 6
+    text = (DOCS / "aot.md").read_text()
+    quoted = text.split("<!-- aot_train -->\n")[1].split("\n<!-- /aot_train -->")[0]
+    assert quoted == aot_train.table(pairs)  # rerun scripts/aot_train.py when a record changes
+    for train, _ in pairs:
+        assert train["argv"][-3:] == ["--only", "train", "--json"], train["argv"]
+        assert [q["name"] for q in train["programs"]] == ["train_step"]
+        assert train["largest_bytes"] <= train["hbm_bytes"] * 0.9  # fits with 10 % headroom
+    assert len({t["provenance"]["commit"] for t, _ in pairs}) == 1
+    assert "program                    compile s" not in text  # the text tables moved
+    history = (DOCS / "history.md").read_text()
+    assert "**kept as history**" in history and "program                    compile s" in history
+    assert "[history page](history.md)" in text
