@@ -395,6 +395,7 @@ def plan_programs(prefix: str, plan: SamplingPlan, graphdef, params,
             elif spec.kind == "empty":
                 args = (prompt_k, prompt_v)
             else:
+                assert spec.state is not None  # an admission names the state it writes into
                 state = _state(model_cfg, lay, spec.state, p, dtype)
                 at = _abstract((b * plan.group,), jnp.int32, placement.replicated(lay))
                 args = (state, prompt_k, prompt_v, *firsts, at)

@@ -101,6 +101,7 @@ def rollout_engine(cfg: Config, dims: models.DecoderConfig, graphdef: nnx.GraphD
     model.path."""
     if cfg.rollout.engine == "vllm":
         vllm_engine.check(cfg)
+        assert cfg.model.path is not None  # the check requires one
         return engine_named("vllm", dims, graphdef, params, task,
                             folder=models.hub.resolve(cfg.model.path), rollout=cfg.rollout,
                             dtype=cfg.model.compute_dtype, seed=cfg.train.seed,

@@ -399,6 +399,7 @@ class _Decoding:
         if index_R is None:
             return state.replace(gen_k=tuple(k for k, _ in layers),
                                  gen_v=tuple(v for _, v in layers))
+        assert rows is not None  # index_R given: the rows are gathered
         pk, pv, gk, gv = (tuple(x) for x in zip(*layers))
         fields = {k: getattr(state, k) for k in decode.ROW_FIELDS}
         fields = _program(self.plan, ProgramSpec.gather_rows(rows, state.rows, state.group),
