@@ -105,7 +105,7 @@ class Program:
     bytes_per_call: int = 0  # per device, read and written by one call (roofline)
     calls: float = 1.0  # per step in the worst case (a decode segment: steps)
     roofline_s: float = 0.0  # per step, all its calls
-    kernels: int = 0  # Pallas decode-attention calls (`engine.sampler.decode_attention`) compiled in
+    kernels: int = 0  # Pallas decode-attention calls (`decode_attention`) compiled in
     gen_cache_bytes: int = 0  # per device, a decode segment's generated-token caches
     read_share: float = 1.0  # of the generated caches, the share a decode step reads (mean)
     whole_bytes_per_call: int = 0  # per device, a decode step reading every cache slot

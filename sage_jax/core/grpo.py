@@ -2,7 +2,7 @@
 token log-probs / entropies computed in sequence chunks from the decoder's final hidden states.
 
 Shapes: B prompts, G answers per prompt, N = B*G rows, L tokens per row (prompt + answer), Z
-packed sequences (rows end to end, `engine.trainer.packing`), D hidden size, V vocabulary, C chunk
+packed sequences (rows end to end, `trainer.packing`), D hidden size, V vocabulary, C chunk
 length. Token arrays follow the batch layout of `update.py`:
 column t of `logp_NxL` is log p(tokens[t] | tokens[<t]), so the loss can use `loss_mask_NxL`
 (the answer tokens, end-of-sequence included) directly.
@@ -52,7 +52,7 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
       over rows / denom.
     For the seq modes denom defaults to the number of rows with at least one mask token. Pass
     the whole mini-batch's count as `denom` so that micro-batch losses add up to its loss.
-    `row_len_ZxL`: packed sequences (`engine.trainer.packing`: several rows per line, Z lines of L
+    `row_len_ZxL`: packed sequences (`trainer.packing`: several rows per line, Z lines of L
     columns), each token carrying its row's mask count; the seq modes then weigh tokens (1 /
     row count, or 1 / norm_len) and need `denom`.
     """
@@ -213,7 +213,7 @@ def token_logprobs(graphdef, params, tokens_NxL, mask_NxL, *, need_NxL=None,
 
 def packed_token_logprobs(graphdef, params, tokens_ZxL, segments_ZxL, need_ZxL, *,
                           chunk: int | None = 256):
-    """logp_ZxL of packed sequences (`engine.trainer.packing`, `Decoder.packed_hidden`): each row's
+    """logp_ZxL of packed sequences (`trainer.packing`, `Decoder.packed_hidden`): each row's
     tokens get the log-probs the row gets alone; 0 where `need_ZxL` is False."""
     model = nnx.merge(graphdef, params)
     h = model.packed_hidden(tokens_ZxL, segments_ZxL)

@@ -1,4 +1,4 @@
-// Decode attention on CPU, an XLA FFI custom call (sage_jax/engine/cpu_attention.py builds and
+// Decode attention on CPU, an XLA FFI custom call (cpu_attention.py, beside it, builds and
 // registers it): one new token per row over its prompt's live columns, its earlier generated
 // tokens and itself, float32; the row's new key and value are written into the generated-token
 // cache in place (the cache outputs alias the cache inputs).

@@ -14,7 +14,7 @@ layout, the one callers build by hand:
   collapse_N     int8   optional: the group's first-pass status (`core.sage.COLLAPSE_*` codes:
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
 
-`train_step` takes one form, the packed one (`engine.trainer.packing`: Z sequences of L columns, whole
+`train_step` takes one form, the packed one (`packing`: Z sequences of L columns, whole
 rows end to end per mini-batch, `PACKED_REQUIRED` and `PACKED_OPTIONAL`): `pack_batch` packs a
 padded batch in sequences of the run's longest row (the cost follows the micro-batches that hold
 rows, one without answer tokens is skipped, and a run compiles one program);
@@ -154,7 +154,7 @@ def batch_split(n: int, settings: UpdateSettings) -> tuple[int, int, int]:
 
 
 def pack_batch(batch: dict, settings: UpdateSettings) -> dict:
-    """The packed form (`engine.trainer.packing`) of a padded numpy batch, for the run's mini-batches,
+    """The packed form (`packing`) of a padded numpy batch, for the run's mini-batches,
     in sequences of its longest row (`row_len`): every step's batch has one shape."""
     m, u, r = batch_split(len(batch["advantages_N"]), settings)
     return packing.pack(batch, minibatches=m, micro_batches=u, micro_rows=r,
