@@ -133,7 +133,7 @@ def test_the_paper_rollouts_with_kernels_are_quoted_from_their_records():
     old, new = (next(q for q in r["programs"] if q["name"] == "rollout/decode@512x8192")
                 for r in (before, recs[0]))
     assert before["provenance"]["commit"].startswith("2ea6308") and old["kernels"] > 0
-    assert f"to {old['temp'] / 2 ** 30:.2f} GiB: the decode loop" in prose
+    assert f"temporaries at {old['temp'] / 2 ** 30:.2f} GiB, over four times" in prose
     assert (f"back to {new['temp'] / 2 ** 30:.2f} GiB of temporaries "
             f"({new['total'] / 2 ** 30:.2f} GiB per chip in all;") in prose
 

@@ -3,6 +3,7 @@
 differences; the toy studies' reconstructed provenance."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import reconstruct_provenance  # noqa: E402
+import reproduce_toy  # noqa: E402
 import study_claims  # noqa: E402
 import toy_study_report as study  # noqa: E402
 
@@ -92,3 +94,18 @@ def test_the_toy_studies_runs_carry_their_reconstructed_provenance(name):
     except subprocess.CalledProcessError:
         pytest.skip("the repository's history is not here (a shallow clone)")
     assert reconstruct_provenance.reconstruct(folder) == prov
+
+
+@pytest.mark.parametrize("name", ["toy_study", "toy_tail"])
+def test_the_committed_toy_reports_are_their_results_rendered(name, tmp_path):
+    """Each toy study's README is what its own command prints from the committed results
+    (`--report-only` in a copy of the folder): no figure in it was typed."""
+    folder = SCRIPTS.parent / "docs" / name
+    readme = (folder / "README.md").read_text()
+    command = readme.split("Command: `python scripts/reproduce_toy.py ")[1].split("`")[0].split()
+    out = command[command.index("--out") + 1]
+    copy = tmp_path / name
+    shutil.copytree(folder, copy)
+    command[command.index("--out") + 1] = str(copy)
+    reproduce_toy.main([*command, "--report-only"])
+    assert (copy / "README.md").read_text().replace(str(copy), out) == readme
