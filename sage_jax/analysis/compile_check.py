@@ -231,10 +231,14 @@ def abstract_batch(cfg: Config, shapes: RunShapes, mesh: Mesh) -> dict:
     rows = parallel.rows_sharding(mesh)
     token = {"tokens_ZxL": jnp.int32, "segments_ZxL": jnp.int32, "loss_mask_ZxL": jnp.bool_,
              "advantages_ZxL": jnp.float32, "answer_len_ZxL": jnp.float32}
-    if cfg.rl.old_logprobs == "sampler" and cfg.rl.loss_context == "hinted":
+    if cfg.rl.sampler_old_logprobs:
         token["old_logp_ZxL"] = jnp.float32
     if cfg.rl.kl_beta > 0:
         token["ref_logp_ZxL"] = jnp.float32
+    if cfg.rl.rollout_correction != "none":
+        token["sampler_logp_ZxL"] = jnp.float32
+        if cfg.rl.loss_context == "plain":
+            token["sampled_logp_ZxL"] = jnp.float32
     batch = {k: _abstract((n, length), dt, rows) for k, dt in token.items()}
     per_row = {"advantages_N": jnp.float32, "answer_len_N": jnp.float32, "level_N": jnp.int8,
                "collapse_N": jnp.int8}

@@ -135,6 +135,13 @@ class RLConfig(Section):
     # With loss_context=plain the trainer recomputes them anyway: hinted answers were sampled
     # in another context; with rollout.engine=vllm too: the old log-probs are JAX's.
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    # Rollout correction (`core.rollout_correction`): weight the loss by the trainer's old
+    # policy over the sampling engine's, per answer token in the context it was sampled in:
+    # token = truncated importance weights min(r, cap); sequence = drop an answer whose ratio
+    # leaves [1/cap, cap]. With it on the old log-probs are recomputed whatever old_logprobs
+    # says (the sampler's would make r = 1).
+    rollout_correction: Literal["none", "token", "sequence"] = "none"
+    rollout_correction_cap: float = 2.0  # The cap of rollout_correction (> 1).
     # Sequence columns per chunk of logits in the update's log-probs (loss and recomputed
     # old log-probs); smaller: fewer [rows, chunk, vocab] float32 temporaries, the same values;
     # None = all columns at once.
@@ -144,6 +151,14 @@ class RLConfig(Section):
     def hinted(self) -> bool:
         """Whether `method` takes hints (`HINTED_METHODS`)."""
         return self.method in HINTED_METHODS
+
+    @property
+    def sampler_old_logprobs(self) -> bool:
+        """Whether the sampler's log-probs are the update's old ones: old_logprobs=sampler, in
+        the context they were sampled in (loss_context=hinted), without a rollout correction
+        (whose ratio they would make 1)."""
+        return (self.old_logprobs == "sampler" and self.loss_context == "hinted"
+                and self.rollout_correction == "none")
 
     def validate(self) -> None:
         require(self.group_size >= 2, "group_size", self.group_size,
@@ -169,6 +184,8 @@ class RLConfig(Section):
         require(self.collapse_std >= 0, "collapse_std", self.collapse_std, "must be >= 0")
         require(self.reward_timeout_s > 0, "reward_timeout_s", self.reward_timeout_s,
                  "must be > 0")
+        require(self.rollout_correction_cap > 1, "rollout_correction_cap",
+                self.rollout_correction_cap, "must be > 1")
 
 
 @dataclasses.dataclass(frozen=True)

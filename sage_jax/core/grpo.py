@@ -83,14 +83,15 @@ def aggregate(loss_NxT, mask_NxT, *, agg: str = "token-mean", denom=None, norm_l
 
 def policy_loss(logp_NxT, old_logp_NxT, advantages, mask_NxT, *, clip_low: float = 0.2,
                 clip_high: float = 0.28, dual_clip: float = 3.0, agg: str = "token-mean",
-                denom=None, norm_len=None, token_denom=None, row_len_ZxL=None):
+                denom=None, norm_len=None, token_denom=None, row_len_ZxL=None, weights_NxT=None):
     """PPO clipped surrogate with clip-higher and dual clip, as verl's `compute_policy_loss`.
 
     ratio = exp(clamp(logp - old_logp, -20, 20));
     pg = max(-A*ratio, -A*clip(ratio, 1-clip_low, 1+clip_high)); for A < 0 and dual_clip > 0,
     pg = min(pg, -A*dual_clip). Returns (loss, metrics) with the loss aggregated by `aggregate`
     (`row_len_ZxL`: packed rows, see there). `advantages`: one per row [N], or one per
-    token [N, T] (packed rows: each token carries its row's).
+    token [N, T] (packed rows: each token carries its row's). `weights_NxT`: per-token weights
+    of the losses before aggregation (`rollout_correction.weights`; None: 1).
     Metrics are token fractions over `mask_NxT` (divided by `token_denom`, default the mask
     count, so micro-batch metrics add up too):
       clip/frac_low   A < 0 and the ratio was clipped at 1 - clip_low,
@@ -113,6 +114,8 @@ def policy_loss(logp_NxT, old_logp_NxT, advantages, mask_NxT, *, clip_low: float
         bound = -a * dual_clip
         dual = (a < 0) & (pg > bound)
         pg = jnp.where(a < 0, jnp.minimum(pg, bound), pg)
+    if weights_NxT is not None:
+        pg = pg * jax.lax.stop_gradient(weights_NxT)
     loss = aggregate(pg, mask_NxT, agg=agg, denom=denom, norm_len=norm_len,
                      row_len_ZxL=row_len_ZxL)
     m = mask_NxT.astype(jnp.float32)

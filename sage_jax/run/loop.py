@@ -150,6 +150,9 @@ class _Run:
     eval_problems: dict[str, list[Problem]] | None
     engine: RolloutEngine  # rollout.engine: samples every pass, validation too
     last_saved: int = 0
+    # the trainer's log-probs in the sampled context (`batching.sampled_context_logprobs`),
+    # when the rollout correction needs them apart from the update's (rl.loss_context=plain)
+    sampled_logprob_fn: Callable | None = None
 
     def save(self, step: int) -> None:
         if step != self.last_saved or self.ckpt.latest_step() is None:
@@ -238,6 +241,7 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                  if cfg.logging.wandb and is_main else None)
     logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.train.steps, is_main=is_main,
                                        resume_step=start, wandb_run=wandb_run)
+    batch = batching.BatchSettings.of(cfg, task.pad_id, engine.trainer_logprobs)
     # The SAGE tables live on the host while the loop runs (the rollout updates them in place)
     # and join the state only to be saved: the train step never sees them, so its inputs are
     # the same kind of arrays at every step (host tables at step 1 compiled it twice).
@@ -246,9 +250,12 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 tables=SageTables.from_arrays(state.sage),
                 ckpt=ckpt,
                 step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
-                batch=batching.BatchSettings.of(cfg, task.pad_id, engine.trainer_logprobs),
+                batch=batch,
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
-                last_saved=start, engine=engine)
+                last_saved=start, engine=engine,
+                sampled_logprob_fn=update.make_logprob_fn(
+                    graphdef, mesh, micro_batch_size=cfg.rl.micro_batch_size,
+                    chunk=cfg.rl.logprob_chunk) if batch.sampled_context else None)
 
 
 def _resume_from(ckpt: checkpoint.Checkpointer, step: int | None, is_main: bool) -> None:
@@ -282,7 +289,9 @@ def _step(run: _Run, step: int) -> dict:
         host_memory.trim()  # what sampling freed, before the update's peak
         # The old log-probs are JAX's: another engine's are only compared with them (`gap`).
         gap = run.engine.logprob_gap(ro)
-        batch = batching.update_batch(ro, run.step_fn.settings, run.batch)
+        sampled = None if run.sampled_logprob_fn is None else batching.sampled_context_logprobs(
+            ro, run.sampled_logprob_fn, run.state.params, mesh, task.pad_id)
+        batch = batching.update_batch(ro, run.step_fn.settings, run.batch, sampled)
     with timer("update"):
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(

@@ -271,6 +271,49 @@ def test_given_old_logprobs_equal_recomputed(minibatches):
 
 
 @pytest.mark.slow
+def test_the_update_with_the_correction():
+    """With the engine's log-probs equal to the trainer's the weights are 1 and the step is the
+    uncorrected one; an answer whose engine log-probs are off trains as one of advantage 0 under
+    "sequence"; without the engine's log-probs in the batch the step says what is missing."""
+    mesh = one_device_mesh()
+    batch = make_batch(16, seed=5)
+    base = make_cfg(micro_batch_size=4, minibatches=2)
+    graphdef, state = init(base, mesh)
+    trainer = update.make_logprob_fn(graphdef, mesh, micro_batch_size=4)(
+        state.params, batch["tokens_NxL"], batch["mask_NxL"], batch["loss_mask_NxL"])
+    trainer = np.asarray(trainer)
+
+    steps = {}
+
+    def run(cfg, b):  # one compiled step per mode
+        mode = cfg.rl.rollout_correction
+        steps.setdefault(mode, update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh))
+        return steps[mode](init(cfg, mesh)[1], packing.as_packed(b))
+
+    s_none, _ = run(base, batch)
+    for mode in ("token", "sequence"):
+        cfg = make_cfg(micro_batch_size=4, minibatches=2, rollout_correction=mode)
+        s, m = run(cfg, dict(batch, sampler_logp_NxL=trainer))
+        assert max_diff(s.params, s_none.params) < 1e-6, mode
+        assert float(m["rollout_correction/ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
+        assert float(m["rollout_correction/masked_share"]) == 0.0
+    off = trainer.copy()
+    off[3] -= 1.0 * batch["loss_mask_NxL"][3]  # row 3: r = e^(answer length) > cap
+    cfg = make_cfg(micro_batch_size=4, minibatches=2, rollout_correction="sequence")
+    s_masked, m = run(cfg, dict(batch, sampler_logp_NxL=off))
+    adv = batch["advantages_N"].copy()
+    adv[3] = 0.0
+    s_zero, _ = run(base, dict(batch, advantages_N=adv))
+    assert batch["advantages_N"][3] != 0 and max_diff(s_masked.params, s_zero.params) < 1e-6
+    tokens = (batch["loss_mask_NxL"] & batch["mask_NxL"]).sum(1)
+    second = [2, 3, 6, 7, 10, 11, 14, 15]  # mini-batch 1's rows (stripes of 2 of every 4)
+    assert float(m["rollout_correction/masked_share"]) == pytest.approx(  # a mean of 2 updates
+        tokens[3] / tokens[second].sum() / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="sampler_logp_ZxL"):
+        run(cfg, batch)
+
+
+@pytest.mark.slow
 def test_reference_kl_and_epochs():
     """kl_beta > 0: loss = pg_loss + beta * kl/ref; 2 epochs = 2 updates (lr from warm-up)."""
     mesh = one_device_mesh()

@@ -457,3 +457,54 @@ def test_speculative_escalation_keeps_the_groups_of_sequential_escalation(method
         (seq.collapse == rollout.COLLAPSE_MIXED).sum()))
     assert len(answer_calls(spec_policy)[1]) == 3 * first_unresolved
     assert sum(map(len, answer_calls(seq_policy)[1:])) < 3 * first_unresolved  # unneeded levels
+
+
+def test_the_rollout_correction_rows_carry_the_engines_and_the_sampled_contexts_log_probs():
+    """Under loss_context=plain a hinted answer's rows start with the bare prompt, but the
+    correction's log-probs stay those of the context it was sampled in: the engine's ride along
+    (`sampler_logp`), and the trainer's are computed on the hinted prompt (`sampled_logp`)."""
+    import jax
+    from flax import nnx
+
+    from sage_jax import models
+    from sage_jax.config import MeshConfig
+    from sage_jax.core import grpo
+    from sage_jax.infra import parallel
+    from sage_jax.rl.types import Rollout, Samples
+
+    rng = np.random.default_rng(0)
+    plain = [[5, 6, 7], [8, 9]]
+    hinted = [[5, 6, 7], [8, 9, 10, 11, 12]]  # group 1 was sampled with a hint
+    lengths = np.array([[3, 1], [2, 4]])
+    tokens = rng.integers(1, 30, (2, 2, 4)).astype(np.int32)
+    engine = np.where(np.arange(4) < lengths[..., None], -rng.random((2, 2, 4)), 0.0)
+    engine = engine.astype(np.float32)
+    ro = Rollout(prompts=hinted, plain_prompts=plain,
+                 samples=Samples(tokens, lengths, engine),
+                 rewards=np.array([[1, 0], [0, 1]], np.float32), level=np.array([0, 1], np.int8),
+                 collapse=np.zeros(2, np.int8), round=np.zeros(2, np.int8),
+                 hints=[None, "h"], texts=[[""] * 2] * 2, metrics={})
+    cfg = models.DecoderConfig(family="llama", vocab_size=32, hidden_size=16,
+                               intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                               head_dim=8)
+    graphdef, params = nnx.split(models.Decoder(cfg, rngs=nnx.Rngs(1)))
+    mesh = parallel.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    sampled = batching.sampled_context_logprobs(
+        ro, update.make_logprob_fn(graphdef, mesh), params, mesh)
+    rows = batching.train_rows(ro, loss_context="plain", engine_logprobs=True,
+                               sampled_logprobs=sampled)
+    for q, (i, j) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        n = lengths[i, j]
+        answer = tokens[i, j, :n]
+        assert rows["tokens"][q].tolist() == plain[i] + answer.tolist()
+        np.testing.assert_array_equal(rows["sampler_logp"][q][len(plain[i]):], engine[i, j, :n])
+        in_context = {}
+        for name, prompt in (("hinted", hinted[i]), ("plain", plain[i])):
+            row = np.asarray(prompt + answer.tolist(), np.int32)[None]
+            logp = grpo.token_logprobs(graphdef, params, row, np.ones_like(row, bool))
+            in_context[name] = np.asarray(logp)[0, len(prompt):]
+        np.testing.assert_allclose(rows["sampled_logp"][q][len(plain[i]):], in_context["hinted"],
+                                   atol=1e-5)
+        if i == 1:  # the hinted group: its sampled context is not the loss's
+            assert np.abs(in_context["hinted"] - in_context["plain"]).max() > 1e-3
+    assert "old_logp" not in rows

@@ -14,7 +14,7 @@ Packed batch (Z = M * U * R sequences of L columns; N rows):
   loss_mask_ZxL   bool   answer tokens (as `loss_mask_NxL`)
   advantages_ZxL  f32    the row's advantage on each of its tokens
   answer_len_ZxL  f32    the row's answer-token count on each of its tokens
-  old_logp_ZxL, ref_logp_ZxL  optional, as the `_NxL` ones
+  old_logp_ZxL, ref_logp_ZxL, sampler_logp_ZxL, sampled_logp_ZxL  optional, as the `_NxL` ones
   advantages_N, level_N, collapse_N, answer_len_N  per row, for the batch metrics
 
 The shape is the padded layout's, whatever the rows (Z = N; L = `width`, the run's longest row
@@ -43,7 +43,8 @@ def length_bucket(n: int) -> int:
 
 
 PER_ROW = ("advantages_N", "level_N", "collapse_N")
-PER_TOKEN = ("old_logp", "ref_logp")  # optional per-token arrays besides tokens and loss mask
+# optional per-token arrays besides tokens and loss mask (see `update.py`)
+PER_TOKEN = ("old_logp", "ref_logp", "sampler_logp", "sampled_logp")
 
 
 def is_packed(batch: dict) -> bool:
@@ -118,8 +119,8 @@ def pack_rows(rows: dict, *, minibatches: int, micro_batches: int, micro_rows: i
 
 def rows_of(batch: dict) -> dict:
     """The rows of a padded batch (`update.py`'s layout): per row its valid tokens (`tokens`),
-    which of them get gradient (`loss_mask`) and, when the batch has them, its `old_logp` /
-    `ref_logp` on those tokens; the per-row arrays as they are. What `pack_rows` packs."""
+    which of them get gradient (`loss_mask`) and, when the batch has them, its `PER_TOKEN`
+    arrays on those tokens; the per-row arrays as they are. What `pack_rows` packs."""
     mask = np.asarray(batch["mask_NxL"], bool)
     loss = np.asarray(batch["loss_mask_NxL"], bool) & mask
     rows = {"tokens": [np.asarray(t)[m] for t, m in zip(batch["tokens_NxL"], mask)],

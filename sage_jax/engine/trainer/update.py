@@ -10,6 +10,11 @@ layout, the one callers build by hand:
   old_logp_NxL   f32    optional: log p_old(tokens[t] | <t) on loss-mask columns; recomputed
                         from the state's params before the first update when absent
   ref_logp_NxL   f32    optional: the frozen reference's log-probs; required when rl.kl_beta > 0
+  sampler_logp_NxL  f32  optional: the sampling engine's log-probs of the answer tokens;
+                        required with a rollout correction (rl.rollout_correction)
+  sampled_logp_NxL  f32  optional: the trainer's old log-probs of the answer tokens in the
+                        context they were sampled in, when that is not the loss's (hinted rows
+                        under rl.loss_context=plain); absent, the old log-probs are used
   level_N        int8   optional: the hint level of the row's group (0: no hint)
   collapse_N     int8   optional: the group's first-pass status (`core.sage.COLLAPSE_*` codes:
                         0 mixed, 1 all-zero, 2 all-one), before any hint or re-sample
@@ -45,7 +50,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sage_jax.config import Config, OptimConfig, RLConfig
-from sage_jax.core import grpo, sage
+from sage_jax.core import grpo, rollout_correction, sage
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.engine.trainer import packing
@@ -53,7 +58,8 @@ from sage_jax.engine.trainer.state import TrainState, master_params
 
 PACKED_REQUIRED = ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL", "advantages_ZxL",
                    "answer_len_ZxL", "advantages_N", "answer_len_N")
-PACKED_OPTIONAL = ("old_logp_ZxL", "ref_logp_ZxL", "level_N", "collapse_N")
+PACKED_OPTIONAL = ("old_logp_ZxL", "ref_logp_ZxL", "sampler_logp_ZxL", "sampled_logp_ZxL",
+                   "level_N", "collapse_N")
 DEFAULT_CHUNK = RLConfig.logprob_chunk  # Sequence columns per chunk of logits in the loss.
 
 
@@ -76,6 +82,8 @@ class UpdateSettings:
     seed: int  # train.seed: the state's rng
     master_fp32: bool  # model.master_fp32: float32 master params
     logprob_chunk: int | None = DEFAULT_CHUNK  # rl.logprob_chunk: columns per chunk of logits
+    rollout_correction: str = "none"  # rl.rollout_correction: none, token or sequence
+    rollout_correction_cap: float = 2.0  # rl.rollout_correction_cap
 
     @classmethod
     def of(cls, cfg: Config) -> UpdateSettings:
@@ -85,7 +93,9 @@ class UpdateSettings:
                    clip_high=rl.clip_high, dual_clip=rl.dual_clip, kl_beta=rl.kl_beta,
                    loss_agg=rl.loss_agg, norm_len=rl.max_new_tokens, row_len=row_len(cfg),
                    optim=cfg.optim, total_updates=total_updates(cfg), seed=cfg.train.seed,
-                   master_fp32=cfg.model.master_fp32, logprob_chunk=rl.logprob_chunk)
+                   master_fp32=cfg.model.master_fp32, logprob_chunk=rl.logprob_chunk,
+                   rollout_correction=rl.rollout_correction,
+                   rollout_correction_cap=rl.rollout_correction_cap)
 
 
 def total_updates(cfg: Config) -> int:
@@ -177,6 +187,10 @@ def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
     ref = "ref_logp_ZxL"
     if settings.kl_beta > 0 and ref not in batch:
         raise ValueError(f"rl.kl_beta={settings.kl_beta} needs {ref!r} in the batch")
+    engine = "sampler_logp_ZxL"
+    if settings.rollout_correction != "none" and engine not in batch:
+        raise ValueError(f"rl.rollout_correction={settings.rollout_correction!r} needs "
+                         f"{engine!r} (the sampling engine's log-probs) in the batch")
     shape = tuple(batch[tokens].shape)
     if len(shape) != 2 or not jnp.issubdtype(batch[tokens].dtype, jnp.integer):
         raise ValueError(f"batch[{tokens!r}] must be an integer 2-D array, got "
@@ -216,9 +230,18 @@ def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, settings: UpdateSe
                                denom=tok_denom if settings.loss_agg == "token-mean"
                                else seq_denom)
     old = jnp.where(fresh, jax.lax.stop_gradient(logp), mb["old_logp_ZxL"])
+    weights, correction = None, {}
+    if settings.rollout_correction != "none":
+        sampled = mb.get("sampled_logp_ZxL", old)  # the trainer's, in the sampled context
+        weights, ratio, changed = rollout_correction.weights(
+            sampled, mb["sampler_logp_ZxL"], loss_mask, mode=settings.rollout_correction,
+            cap=settings.rollout_correction_cap, segments_ZxL=mb["segments_ZxL"])
+        correction = rollout_correction.metrics(ratio, changed, loss_mask, tok_denom)
     pg, metrics = grpo.policy_loss(logp, old, mb["advantages_ZxL"], loss_mask,
                                    clip_low=settings.clip_low, clip_high=settings.clip_high,
-                                   dual_clip=settings.dual_clip, token_denom=tok_denom, **agg)
+                                   dual_clip=settings.dual_clip, token_denom=tok_denom,
+                                   weights_NxT=weights, **agg)
+    metrics.update(correction)
     loss = pg
     if settings.kl_beta > 0:
         kl = grpo.aggregate(grpo.kl_k3(logp, mb["ref_logp_ZxL"]), loss_mask, **agg)
@@ -292,7 +315,9 @@ def _accumulate(params, mini, tokens, seqs, *, graphdef, settings, mesh, chunk, 
 
     def micro(acc, mb):  # a micro-batch of padding (packed batches) is skipped
         g, metrics = jax.lax.cond(jnp.any(mb["loss_mask_ZxL"]), grads, lambda _: zero, mb)
-        g, metrics = jax.tree.map(jnp.add, acc, (g, metrics))
+        g = jax.tree.map(jnp.add, acc[0], g)
+        metrics = {k: (jnp.maximum if k.endswith("_max") else jnp.add)(acc[1][k], v)
+                   for k, v in metrics.items()}
         return (jax.lax.with_sharding_constraint(g, param_sh), metrics), None
 
     return jax.lax.scan(micro, zero, mini)[0]
@@ -335,7 +360,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
     order = jnp.tile(jnp.arange(settings.minibatches), settings.epochs_per_batch)
     (params, opt_state, _), metrics = jax.lax.scan(
         update, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), order)
-    metrics = {key: (v[-1] if key == "lr" else jnp.mean(v)) for key, v in metrics.items()}
+    metrics = {key: (v[-1] if key == "lr" else jnp.max(v) if key.endswith("_max")
+                     else jnp.mean(v)) for key, v in metrics.items()}
     metrics["tokens"] = jnp.sum(tokens_M)
     # Of the token slots the update computes: the micro-batches that hold answer tokens.
     computed = jnp.any(data["loss_mask_ZxL"], axis=(2, 3), keepdims=True)
