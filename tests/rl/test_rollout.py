@@ -500,9 +500,10 @@ def test_the_rollout_correction_rows_carry_the_engines_and_the_sampled_contexts_
         np.testing.assert_array_equal(rows["sampler_logp"][q][len(plain[i]):], engine[i, j, :n])
         in_context = {}
         for name, prompt in (("hinted", hinted[i]), ("plain", plain[i])):
-            row = np.asarray(prompt + answer.tolist(), np.int32)[None]
-            logp = grpo.token_logprobs(graphdef, params, row, np.ones_like(row, bool))
-            in_context[name] = np.asarray(logp)[0, len(prompt):]
+            row = np.zeros((1, 12), np.int32)  # right-padded: one shape, one compile
+            row[0, :len(prompt) + n] = prompt + answer.tolist()
+            logp = grpo.token_logprobs(graphdef, params, row, row > 0)
+            in_context[name] = np.asarray(logp)[0, len(prompt):len(prompt) + n]
         np.testing.assert_allclose(rows["sampled_logp"][q][len(plain[i]):], in_context["hinted"],
                                    atol=1e-5)
         if i == 1:  # the hinted group: its sampled context is not the loss's

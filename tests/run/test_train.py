@@ -85,14 +85,14 @@ def test_the_rollout_correction_weighs_hinted_answers_in_the_context_they_were_s
     """rl.loss_context=plain trains a hinted answer on its bare prompt; the correction's ratio
     is still the trainer's over the engine's in the hinted context, so with the native engine
     (the same weights) it stays near 1 and drops nothing."""
-    loop.train(cfg("rl.method=sage", "train.steps=2", "rl.loss_context=plain", "hint.source=reference",
-                   "rl.rollout_correction=sequence", "rl.rollout_correction_cap=1.5"), tmp_path)
-    rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert max(r["batch/hinted_token_frac"] for r in rows) > 0  # hinted answers were trained
-    for r in rows:
-        assert r["rollout_correction/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
-        assert 1.0 <= r["rollout_correction/ratio_max"] < 1.5
-        assert r["rollout_correction/masked_share"] == 0.0
+    loop.train(cfg("rl.method=sage", "train.steps=1", "rl.loss_context=plain",
+                   "hint.source=reference", "rl.rollout_correction=sequence",
+                   "rl.rollout_correction_cap=1.5"), tmp_path)
+    (r,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert r["batch/hinted_token_frac"] > 0  # hinted answers were trained
+    assert r["rollout_correction/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert 1.0 <= r["rollout_correction/ratio_max"] < 1.5
+    assert r["rollout_correction/masked_share"] == 0.0
 
 
 def _params(workdir):
