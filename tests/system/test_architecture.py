@@ -381,6 +381,27 @@ def test_the_training_loop_names_no_rollout_engine():
     assert not imported & {"sage_jax.run.vllm_engine", "sage_jax.engine.sampler.sampling"}, imported
 
 
+# A layer's parts: where a block's wiring would be written again.
+LAYER_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "rope",
+               "rotary", "RMSNorm", "Linear")
+
+
+def layer_parts_named(source: str) -> list[str]:
+    """The layer parts (`LAYER_PARTS`) that `source` names as an attribute, name or call."""
+    names = [n.attr if isinstance(n, ast.Attribute) else n.id
+             for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Attribute, ast.Name))]
+    return sorted({n for n in names if n in LAYER_PARTS or n.startswith("apply_rope")})
+
+
+def test_the_decode_step_names_no_projection_or_norm():
+    """engine/sampler/decode.py runs the model's own blocks (`Block.wire`, `Attention.qkv`):
+    it owns the cache and the attention core only, and names no part of a layer."""
+    assert layer_parts_named((PACKAGE / "engine" / "sampler" / "decode.py").read_text()) == []
+    probe = "def step(blk, x):\n    return blk.self_attn.q_proj(blk.input_layernorm(x))\n"
+    assert layer_parts_named(probe) == ["input_layernorm", "q_proj"]
+
+
 def test_the_engine_is_two_rooms_that_do_not_import_each_other():
     """engine/ holds the sampler and the trainer, each a sub-package, and no module besides;
     neither imports the other (what they share is below them: models, infra)."""
