@@ -9,17 +9,19 @@ from sage_jax.config.loader import (
     save_config, to_dict, to_yaml,
 )
 from sage_jax.config.schema import (
-    HINTED_METHODS, PAPER_BENCHMARKS, CheckpointConfig, Config, ConfigError, DataConfig, DType,
-    EvalConfig, HintConfig, LoggingConfig, MeshConfig, ModelConfig, OptimConfig, RLConfig,
-    RolloutConfig, Section, TaskConfig, TrainConfig, check_sampling, require,
+    HINTED_METHODS, LORA_TARGETS, PAPER_BENCHMARKS, CheckpointConfig, Config, ConfigError,
+    DataConfig, DType, EvalConfig, HintConfig, LoggingConfig, LoraConfig, MeshConfig,
+    ModelConfig, OptimConfig, RLConfig, RolloutConfig, Section, TaskConfig, TrainConfig,
+    check_sampling, require,
 )
 
 __all__ = [
     "CONFIG_DIR", "DEFAULT_CONFIG", "apply_overrides", "from_dict", "load_config",
     "resolve_config_path", "save_config", "to_dict", "to_yaml",
-    "HINTED_METHODS", "PAPER_BENCHMARKS", "CheckpointConfig", "Config", "ConfigError",
-    "DataConfig", "DType",
-    "EvalConfig", "HintConfig", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimConfig",
+    "HINTED_METHODS", "LORA_TARGETS", "PAPER_BENCHMARKS", "CheckpointConfig", "Config",
+    "ConfigError", "DataConfig", "DType",
+    "EvalConfig", "HintConfig", "LoggingConfig", "LoraConfig", "MeshConfig", "ModelConfig",
+    "OptimConfig",
     "RLConfig", "RolloutConfig", "Section", "TaskConfig", "TrainConfig", "check_sampling",
     "require",
 ]

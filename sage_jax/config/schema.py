@@ -61,6 +61,27 @@ DType = Literal["float32", "bfloat16"]
 PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
 
 
+# The decoder's projections that can carry LoRA adapters (`models.decoder.LORA_TARGETS`).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig(Section):
+    """LoRA: low-rank adapters on some projections are trained, the base weights stay frozen.
+    Each targeted projection computes y = x W + (x A) B * alpha / rank."""
+
+    rank: int = 0  # r of the adapters A [in, r] and B [r, out]; 0 = off (full fine-tuning).
+    alpha: float = 16.0  # The adapters' scale is alpha / rank (as PEFT's lora_alpha).
+    targets: tuple[str, ...] = LORA_TARGETS  # The projections (of every layer) given adapters.
+
+    def validate(self) -> None:
+        require(self.rank >= 0, "rank", self.rank, "must be >= 0 (0 = off)")
+        require(self.alpha > 0, "alpha", self.alpha, "must be > 0")
+        require(len(self.targets) > 0 and all(t in LORA_TARGETS for t in self.targets),
+                "targets", self.targets,
+                f"a non-empty list of the projections {', '.join(LORA_TARGETS)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Section):
     """Which policy model to train and at what precision."""
@@ -70,6 +91,7 @@ class ModelConfig(Section):
     compute_dtype: DType = "bfloat16"  # Dtype of activations and matmuls.
     remat: bool = True  # Recompute each layer's activations in the backward pass to save memory.
     master_fp32: bool = True  # Keep float32 master weights for the optimiser when dtype is bf16.
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # LoRA (rank 0: off).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,6 +456,11 @@ class Config(Section):
             raise ConfigError(
                 f"rollout.micro_batch_size={rows} must be >= rl.group_size={rl.group_size} (a "
                 f"group is sampled whole), or null for all", key="rollout.micro_batch_size")
+        if self.model.lora.rank and self.rollout.engine == "vllm":
+            raise ConfigError(
+                f"model.lora.rank={self.model.lora.rank} with rollout.engine=vllm: the vLLM "
+                f"engine does not take LoRA adapters yet; use rollout.engine=native",
+                key="model.lora.rank")
         hinted = rl.hinted
         if hinted and self.hint.source == "column" and self.data.hint_key is None:
             raise ConfigError(

@@ -132,12 +132,32 @@ def test_unknown_yaml_keys(tmp_path):
     (["hint.low=0.5"], ["'hint.high'", "[low, 1]"]),
     (["eval.benchmarks=[1]"], ["'eval.benchmarks[0]'", "expected str"]),
     (["rl=3"], ["'rl' is a section"]),
+    (["model.lora.rank=-1"], ["'model.lora.rank'", "must be >= 0"]),
+    (["model.lora.alpha=0"], ["'model.lora.alpha'", "must be > 0"]),
+    (["model.lora.targets=[q_proj, qkv]"], ["'model.lora.targets'", "'qkv'", "down_proj"]),
+    (["model.lora.targets=[]"], ["'model.lora.targets'", "a non-empty list"]),
+    (["model.lora.rnk=4"], ["'model.lora.rnk'", "did you mean 'model.lora.rank'"]),
+    (["model.lora.rank=4", "rollout.engine=vllm"], ["model.lora.rank=4", "rollout.engine=native"]),
 ])
 def test_invalid_values(overrides, pieces):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     for piece in pieces:
         assert piece in str(e.value)
+
+
+def test_lora_is_a_nested_section_of_model_off_by_default(tmp_path):
+    assert Config().model.lora.rank == 0  # full fine-tuning
+    cfg = load_config(None, ["model.lora.rank=16", "model.lora.targets=[q_proj, v_proj]"])
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets) == (
+        16, 16.0, ("q_proj", "v_proj"))
+    cfg = load_config(_write(tmp_path, "model:\n  lora:\n    rank: 8\n    alpha: 32\n"), [])
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (8, 32.0)
+    assert load_config(_write(tmp_path, to_yaml(cfg)), []) == cfg
+    for bad, key in (("rank=-1", "rank"), ("alpha=-2", "alpha"), ("targets=[lm_head]", "targets")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"model.lora.{bad}"])
+        assert e.value.key == f"model.lora.{key}" and "\n" not in str(e.value), str(e.value)
 
 
 def test_sections_validate_on_construction():
