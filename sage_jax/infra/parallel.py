@@ -5,7 +5,8 @@ along it) and "tensor" (where tensor parallelism goes: attention heads, MLP widt
 Batch rows are split over ("data", "fsdp"). Parameters, and the optimiser state that mirrors
 them, get a `PartitionSpec` from the first rule in `PARTITION_RULES` whose regex matches the
 leaf's path (e.g. "layers/3/self_attn/q_proj/kernel"); a dimension that an axis does not divide
-evenly stays whole, and leaves that match no rule (norm scales, scalars) are replicated.
+evenly stays whole, and leaves that match no rule (norm scales, scalars) are replicated. A LoRA
+adapter splits its in (A) or out (B) axis as its kernel does, never its rank.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
     (r"(gate_proj|up_proj)/bias", ("tensor",)),                  # [F]
     (r"down_proj/kernel", ("tensor", "fsdp")),                   # [F, D]
     (r"down_proj/bias", ("fsdp",)),                              # [D]
+    # LoRA adapters A [in, r] and B [r, out]: in and out split as the kernel's, r whole.
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/lora_a", ("fsdp", None)),   # [D, r]
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/lora_b", (None, "tensor")),  # [r, heads*H | F]
+    (r"(o_proj|down_proj)/lora_a", ("tensor", None)),                       # [N*H | F, r]
+    (r"(o_proj|down_proj)/lora_b", (None, "fsdp")),                         # [r, D]
 )
 
 

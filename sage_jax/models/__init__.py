@@ -2,14 +2,18 @@
 
 from sage_jax.models import hub
 from sage_jax.models.decoder_config import ARCHITECTURES, DecoderConfig, UnsupportedModelError
-from sage_jax.models.decoder import Decoder, KVCache, apply, init_cache, merge, split
+from sage_jax.models.decoder import (
+    LORA_TARGETS, Decoder, KVCache, LoraSpec, apply, init_cache, merge, merge_lora, split,
+    with_lora,
+)
 from sage_jax.models.hf_io import (
     ModelFileError, check_model_dir, from_hf, hf_names, hf_tensors, to_hf,
 )
 from sage_jax.models.tokenizer import Tokenizer
 
 __all__ = [
-    "ARCHITECTURES", "ModelFileError", "Decoder", "KVCache", "DecoderConfig", "Tokenizer",
-    "UnsupportedModelError", "apply", "check_model_dir", "from_hf", "hf_names", "hf_tensors",
-    "hub", "init_cache", "merge", "split", "to_hf",
+    "ARCHITECTURES", "LORA_TARGETS", "ModelFileError", "Decoder", "KVCache", "DecoderConfig",
+    "LoraSpec", "Tokenizer", "UnsupportedModelError", "apply", "check_model_dir", "from_hf",
+    "hf_names", "hf_tensors", "hub", "init_cache", "merge", "merge_lora", "split", "to_hf",
+    "with_lora",
 ]

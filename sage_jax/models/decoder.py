@@ -10,10 +10,15 @@ Two ways to call it:
     `KVCache` pytree and attends to everything valid in it.
 `packed_hidden(tokens_ZxL, segments_ZxL)` gives the hidden states of rows packed end to end.
 Inside `jax.jit`, use the pure form `apply(graphdef, params, tokens_BxT, ...)`.
+
+LoRA: a `Decoder` built with `lora=LoraSpec(...)` (or `with_lora(model, spec)`) gives each
+targeted projection adapters `lora_a` [in, r] and `lora_b` [r, out] (`nnx.LoRAParam`, B zero at
+the start), so every entry point above uses them; `merge_lora` folds them into the kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.struct
@@ -104,22 +109,91 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
 
 
-class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel stored [in, out]."""
+# The projections of a block that can carry LoRA adapters (config: `model.lora.targets`).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, cdtype, rngs: nnx.Rngs):
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters of rank `rank` on the projections named in `targets` (of every layer),
+    scaled by alpha / rank as PEFT does; `seed` starts the adapters' own random stream, so the
+    base weights' initialisation is the same with or without adapters."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = LORA_TARGETS
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if self.rank < 1 or self.alpha <= 0 or unknown or not self.targets:
+            raise ValueError(f"LoraSpec needs rank >= 1, alpha > 0 and targets among "
+                             f"{LORA_TARGETS}; got rank={self.rank}, alpha={self.alpha}, "
+                             f"targets={self.targets}")
+
+    @classmethod
+    def of(cls, lora, seed: int = 0) -> LoraSpec | None:
+        """The spec of a config's `model.lora` section (rank, alpha, targets), adapters drawn
+        from `seed`; None when its rank is 0 (no adapters)."""
+        return cls(lora.rank, lora.alpha, tuple(lora.targets), seed) if lora.rank else None
+
+
+def _target(lora: LoraSpec | None, name: str) -> LoraSpec | None:
+    """`lora` when it targets projection `name`, else None."""
+    return lora if lora is not None and name in lora.targets else None
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel stored [in, out]. With a `lora` spec (adapters drawn
+    from `lora_rngs`' `lora` stream) y gains (x @ lora_a) @ lora_b * alpha / rank, computed in
+    the compute dtype: lora_a [in, r] uniform in +-1/sqrt(in) (PEFT's kaiming-uniform with
+    a = sqrt(5)), lora_b [r, out] zeros, both `nnx.LoRAParam`s in the kernel's dtype."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, cdtype, rngs: nnx.Rngs,
+                 lora: LoraSpec | None = None, lora_rngs: nnx.Rngs | None = None):
         self.kernel = _normal(rngs, (d_in, d_out), dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.cdtype = cdtype
+        if lora is None:
+            self.lora_a = self.lora_b = None
+            self.lora_scale = 0.0
+        else:
+            assert lora_rngs is not None, "a LoRA Linear draws its adapters from lora_rngs"
+            bound = 1.0 / math.sqrt(d_in)
+            self.lora_a = nnx.LoRAParam(jax.random.uniform(
+                lora_rngs.lora(), (d_in, lora.rank), jnp.float32, -bound, bound).astype(dtype))
+            self.lora_b = nnx.LoRAParam(jnp.zeros((lora.rank, d_out), dtype))
+            self.lora_scale = lora.alpha / lora.rank  # a static Python float
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # As a 2-D matmul: with 3-D operands XLA:CPU transposes activations for the weight
         # gradient, which made the update step ~20% slower.
         x2 = x.reshape(-1, x.shape[-1]).astype(self.cdtype)
-        y = keep_rows(jnp.dot(x2, self.kernel[...].astype(self.cdtype)))
+        y = jnp.dot(x2, self.kernel[...].astype(self.cdtype))
+        if self.lora_a is not None:
+            y = y + self._adapted(x2)
+        y = keep_rows(y)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.cdtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _adapted(self, x_RxI: jax.Array) -> jax.Array:
+        """The adapters' term (x @ lora_a) @ lora_b * alpha / rank [R, out] in the compute
+        dtype, of rows `x_RxI` already in it."""
+        assert self.lora_a is not None and self.lora_b is not None
+        xa = keep_rows(jnp.dot(x_RxI, self.lora_a[...].astype(self.cdtype)))
+        return (jnp.dot(xa, self.lora_b[...].astype(self.cdtype))
+                * jnp.asarray(self.lora_scale, self.cdtype))
+
+    def merged_kernel(self) -> jax.Array:
+        """The kernel with the adapters folded in, kernel + lora_a @ lora_b * alpha / rank
+        (summed in float32, in the kernel's dtype); the kernel itself without adapters."""
+        w = self.kernel[...]
+        if self.lora_a is None or self.lora_b is None:
+            return w
+        delta = jnp.dot(self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(
+            jnp.float32)) * self.lora_scale
+        return (w.astype(jnp.float32) + delta).astype(w.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -159,13 +233,14 @@ class Attention(nnx.Module):
     """Grouped-query self-attention with optional q/k/v bias and Qwen3 q/k norm: `qkv`, then
     `core`; the block (`Block.wire`) applies `o_proj`."""
 
-    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs,
+                 lora: LoraSpec | None = None, lora_rngs: nnx.Rngs | None = None):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        kw = dict(dtype=dtype, cdtype=cdtype, rngs=rngs)
-        self.q_proj = Linear(d, n * h, bias=cfg.qkv_bias, **kw)
-        self.k_proj = Linear(d, k * h, bias=cfg.qkv_bias, **kw)
-        self.v_proj = Linear(d, k * h, bias=cfg.qkv_bias, **kw)
-        self.o_proj = Linear(n * h, d, bias=cfg.o_bias, **kw)
+        kw = dict(dtype=dtype, cdtype=cdtype, rngs=rngs, lora_rngs=lora_rngs)
+        self.q_proj = Linear(d, n * h, bias=cfg.qkv_bias, lora=_target(lora, "q_proj"), **kw)
+        self.k_proj = Linear(d, k * h, bias=cfg.qkv_bias, lora=_target(lora, "k_proj"), **kw)
+        self.v_proj = Linear(d, k * h, bias=cfg.qkv_bias, lora=_target(lora, "v_proj"), **kw)
+        self.o_proj = Linear(n * h, d, bias=cfg.o_bias, lora=_target(lora, "o_proj"), **kw)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, cdtype=cdtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, cdtype=cdtype)
@@ -207,12 +282,13 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs,
+                 lora: LoraSpec | None = None, lora_rngs: nnx.Rngs | None = None):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        kw = dict(bias=cfg.mlp_bias, dtype=dtype, cdtype=cdtype, rngs=rngs)
-        self.gate_proj = Linear(d, f, **kw)
-        self.up_proj = Linear(d, f, **kw)
-        self.down_proj = Linear(f, d, **kw)
+        kw = dict(bias=cfg.mlp_bias, dtype=dtype, cdtype=cdtype, rngs=rngs, lora_rngs=lora_rngs)
+        self.gate_proj = Linear(d, f, lora=_target(lora, "gate_proj"), **kw)
+        self.up_proj = Linear(d, f, lora=_target(lora, "up_proj"), **kw)
+        self.down_proj = Linear(f, d, lora=_target(lora, "down_proj"), **kw)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -221,13 +297,15 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, cdtype, rngs: nnx.Rngs,
+                 lora: LoraSpec | None = None, lora_rngs: nnx.Rngs | None = None):
+        kw = dict(dtype=dtype, cdtype=cdtype, rngs=rngs, lora=lora, lora_rngs=lora_rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
                                        cdtype=cdtype)
-        self.self_attn = Attention(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs)
+        self.self_attn = Attention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
                                                 cdtype=cdtype)
-        self.mlp = MLP(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs)
+        self.mlp = MLP(cfg, **kw)
 
     def wire(self, x_BxTxD, attend):
         """The block around an attention core: `attend(self_attn, normed x_BxTxD)` returns
@@ -286,16 +364,21 @@ def recompute_in_backward(f):
 
 
 class Decoder(nnx.Module):
-    """Causal LM: embeddings, `num_layers` blocks, final norm, LM head (tied or not)."""
+    """Causal LM: embeddings, `num_layers` blocks, final norm, LM head (tied or not); with
+    `lora`, adapters on its targeted projections (drawn from the spec's seed: the other weights
+    are the same as without)."""
 
     def __init__(self, cfg: DecoderConfig, *, dtype=jnp.float32, compute_dtype=None,
-                 rngs: nnx.Rngs | None = None, remat: bool = False):
+                 rngs: nnx.Rngs | None = None, remat: bool = False,
+                 lora: LoraSpec | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
+        lora_rngs = None if lora is None else nnx.Rngs(lora=lora.seed)
         cdtype = compute_dtype or dtype
         self.cfg = cfg
         self.dtype, self.compute_dtype, self.remat = dtype, cdtype, remat
         self.embed_tokens = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([Block(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, dtype=dtype, cdtype=cdtype, rngs=rngs, lora=lora,
+                                      lora_rngs=lora_rngs)
                                 for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, cdtype=cdtype)
         self.lm_head = (None if cfg.tie_word_embeddings else
@@ -381,6 +464,31 @@ class Decoder(nnx.Module):
             return self.logits(out)
         h, cache = out
         return self.logits(h), cache
+
+
+def with_lora(model: Decoder, lora: LoraSpec) -> Decoder:
+    """`model` with fresh adapters of `lora` (B zero: the same function) on its targeted
+    projections; its own weights are taken as they are (shared, not copied)."""
+    def build():
+        return Decoder(model.cfg, dtype=model.dtype, compute_dtype=model.compute_dtype,
+                       remat=model.remat, lora=lora)
+
+    graphdef = nnx.graphdef(nnx.eval_shape(build))
+    # Under jit only the adapters are computed: the base weights' initialisation is dead code.
+    adapters = jax.jit(lambda: nnx.state(build(), nnx.LoRAParam))()
+    return nnx.merge(graphdef, nnx.state(model), adapters)
+
+
+def merge_lora(model: Decoder) -> Decoder:
+    """A plain `Decoder` (no adapters) whose kernels are `model`'s with its adapters folded in
+    (`Linear.merged_kernel`); `model` itself is unchanged."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(
+        model.cfg, dtype=model.dtype, compute_dtype=model.compute_dtype, remat=model.remat)))
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.LoRAParam))))
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, Linear) and module.lora_a is not None:
+            flat[(*path, "kernel")] = nnx.Param(module.merged_kernel())
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def split(model: Decoder):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
@@ -13,7 +14,7 @@ from safetensors.flax import save_file
 
 from sage_jax.models.hub import resolve as resolve_hub_path
 from sage_jax.models.decoder_config import DecoderConfig
-from sage_jax.models.decoder import Decoder
+from sage_jax.models.decoder import Decoder, merge_lora
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -152,7 +153,11 @@ def from_hf(path: str | Path, *, dtype=jnp.float32, compute_dtype=None,
 
 def hf_tensors(cfg: DecoderConfig, params: nnx.State, *, dtype=None) -> dict[str, Any]:
     """{HF tensor name: array} of a decoder's parameters (`hf_names`: kernels transposed), as
-    model.safetensors holds them; `dtype` converts them (default: the parameters' own)."""
+    model.safetensors holds them; `dtype` converts them (default: the parameters' own). The
+    parameters of a model with LoRA adapters are refused (`merge_lora` folds them in first)."""
+    if jax.tree.leaves(nnx.filter_state(params, nnx.LoRAParam)):
+        raise ValueError("hf_tensors: the parameters hold LoRA adapters, which a Hugging Face "
+                         "checkpoint has no place for: fold them in first (models.merge_lora)")
     flat = dict(nnx.to_flat_state(params))
     tensors = {}
     for name, (ours, transpose) in hf_names(cfg).items():
@@ -165,12 +170,13 @@ def hf_tensors(cfg: DecoderConfig, params: nnx.State, *, dtype=None) -> dict[str
 def to_hf(model: Decoder, out_dir: str | Path, *, dtype=None) -> Path:
     """Writes config.json + model.safetensors that `transformers` loads; returns the folder.
 
-    `dtype` (e.g. jnp.bfloat16) converts the weights; default keeps the parameter dtype.
+    `dtype` (e.g. jnp.bfloat16) converts the weights; default keeps the parameter dtype. A
+    model with LoRA adapters is written with them folded into its kernels (`merge_lora`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg: DecoderConfig = model.cfg
-    tensors = hf_tensors(cfg, nnx.state(model, nnx.Param), dtype=dtype)
+    tensors = hf_tensors(cfg, nnx.state(merge_lora(model), nnx.Param), dtype=dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = str(jnp.dtype(dtype or model.dtype).name)
