@@ -1,11 +1,13 @@
 """The update step: optimiser, mesh and partition rules, batch checks, micro-batch and sharding
 invariance, the reference KL, and learning on a tiny random model (8 fake CPU devices)."""
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -15,8 +17,9 @@ from sage_jax.core import grpo
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.engine.trainer import packing, update
-from sage_jax.config import Config, MeshConfig, OptimConfig, RLConfig, TrainConfig
-from sage_jax.engine.trainer.state import TrainState
+from sage_jax.config import Config, LoraConfig, MeshConfig, OptimConfig, RLConfig, TrainConfig
+from sage_jax.engine.trainer.state import TrainState, trainable_split
+from sage_jax.models.decoder import Linear
 
 settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
 
@@ -364,3 +367,113 @@ def test_remat_train_step_in_every_combination(old_source, minibatches):
         assert max_diff(p0, p1) < 1e-6, (epochs, max_diff(p0, p1))
         np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-5, atol=1e-7)
         assert m0["grad_norm"] > 0
+
+
+# ---------------------------------------------------------------------------------- LoRA
+
+LORA = models.LoraSpec(rank=4, alpha=8.0)
+ADAPTERS = 2 * len(models.LORA_TARGETS) * MODEL.num_layers  # A and B of every projection
+
+
+def lora_cfg(**kw):
+    """`make_cfg(**kw)` with model.lora.rank=4, alpha 8 (the adapters of `LORA`)."""
+    cfg = make_cfg(**kw)
+    return dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, lora=LoraConfig(rank=LORA.rank, alpha=LORA.alpha)))
+
+
+def init_lora(cfg, mesh, seed=0, remat=False):
+    """A LoRA TrainState whose adapters' B is random (fresh ones are 0: A would get no
+    gradient)."""
+    model = models.Decoder(MODEL, rngs=nnx.Rngs(seed), lora=LORA, remat=remat)
+    rng = np.random.default_rng(seed)
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, Linear) and m.lora_b is not None:
+            m.lora_b[...] = jnp.asarray(0.1 * rng.standard_normal(m.lora_b.shape), jnp.float32)
+    return update.init_train_state(model, settings_of(cfg), mesh)
+
+
+def _flat(params):
+    return {parallel.path_str(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+@pytest.mark.slow
+def test_lora_state_keeps_masters_and_adam_moments_of_the_adapters_only():
+    """bf16 model, master_fp32: the adapters become float32, the frozen base stays bf16 (no
+    copy); AdamW's mu and nu exist for the adapters alone (without LoRA: for every leaf)."""
+    cfg = lora_cfg()
+    assert cfg.model.master_fp32 and settings_of(cfg).lora and not settings_of(make_cfg()).lora
+
+    def state_of(lora, settings):
+        model = nnx.eval_shape(lambda: models.Decoder(MODEL, dtype=jnp.bfloat16,
+                                                      rngs=nnx.Rngs(0), lora=lora))
+        return jax.eval_shape(lambda p: update.new_state(p, settings), models.split(model)[1])
+
+    state = state_of(LORA, settings_of(cfg))
+    adapters, base = trainable_split(state.params)
+    assert len(jax.tree.leaves(adapters)) == ADAPTERS
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype(jnp.bfloat16)}
+    moments = [x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert sorted(moments) == sorted(2 * [x.shape for x in jax.tree.leaves(adapters)])
+    plain = state_of(None, settings_of(make_cfg()))
+    assert len([x for x in jax.tree.leaves(plain.opt_state) if x.ndim]) == 2 * len(
+        jax.tree.leaves(plain.params))
+    mesh = one_device_mesh()
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0)), settings_of(cfg), mesh)
+    with pytest.raises(ValueError, match="model.lora.rank is 0"):
+        update.init_train_state(models.Decoder(MODEL, rngs=nnx.Rngs(0), lora=LORA),
+                                settings_of(make_cfg()), mesh)
+
+
+@pytest.mark.slow
+def test_a_lora_step_trains_the_adapters_and_leaves_the_base_bit_identical():
+    """One step (with and without remat): every adapter moves, every base leaf is bit-identical;
+    grad_norm is the norm of the adapters' part of the full model's gradient."""
+    mesh = one_device_mesh()
+    cfg = lora_cfg(lr=1e-2, optim=OptimConfig(lr=1e-2, weight_decay=0.0))
+    batch = make_batch(16, seed=6)
+    graphdef, state = init_lora(cfg, mesh)
+    full = minibatch_grads(state.params, batch, graphdef=graphdef, cfg=make_cfg(), mesh=mesh)[0]
+    want_norm = float(optax.tree.norm(trainable_split(full)[0]))
+    before = _flat(state.params)
+    after = {}
+    for remat in (False, True):
+        graphdef, state = init_lora(cfg, mesh, remat=remat)
+        state, metrics = packed_step(graphdef, settings_of(cfg), mesh)(state, batch)
+        after[remat] = _flat(state.params)
+        assert float(metrics["grad_norm"]) == pytest.approx(want_norm, rel=1e-5)
+    assert max_diff(list(after[True].values()), list(after[False].values())) < 1e-6
+    adapters = [k for k in before if k.endswith(("lora_a", "lora_b"))]
+    assert len(adapters) == ADAPTERS and len(before) > ADAPTERS
+    for key, value in before.items():
+        if key in adapters:
+            assert np.abs(after[False][key] - value).max() > 1e-4, key
+        else:
+            np.testing.assert_array_equal(after[False][key], value, err_msg=key)
+
+
+@pytest.mark.slow
+def test_sharded_lora_update_equals_one_device(capsys):
+    """Two LoRA updates on meshes that split the adapters over fsdp and tensor: the same
+    params as on 1 device."""
+    cfg = lora_cfg(prompts=8, minibatches=2, micro_batch_size=8, lr=1e-3)
+    batch = make_batch(32, seed=2)
+    out = {}
+    for shape in [(1, 1, 1), (2, 2, 2), (1, 4, 2)]:
+        devices = jax.devices()[:1] if shape == (1, 1, 1) else None
+        mesh = parallel.make_mesh(MeshConfig(*shape), devices)
+        graphdef, state = init_lora(cfg, mesh)
+        state, metrics = packed_step(graphdef, settings_of(cfg), mesh)(
+            state, parallel.shard_batch(batch, mesh))
+        out[shape] = (jax.tree.map(np.asarray, state.params), metrics)
+    base_params, base_metrics = out[(1, 1, 1)]
+    for shape, (params, metrics) in out.items():
+        diff = max_diff(params, base_params)
+        with capsys.disabled():
+            print(f"\nLoRA, mesh {shape}: max |param diff| vs 1 device = {diff:.2e}", end="")
+        assert diff < 1e-5, shape
+        np.testing.assert_allclose(metrics["loss"], base_metrics["loss"], rtol=1e-5, atol=1e-7)
+    assert max_diff(base_params, init_lora(cfg, one_device_mesh())[1].params) > 1e-4  # it moved

@@ -20,7 +20,9 @@ SageArrays = dict[str, np.ndarray]
 
 class TrainState(flax.struct.PyTreeNode):
     """params: the policy's parameter pytree (`models.split(model)[1]`), float32 masters when
-    the model is stored in bf16 and master_fp32 is on; opt_state: optax state of those params;
+    the model is stored in bf16 and master_fp32 is on (with LoRA: the adapters only; the frozen
+    base stays in the model dtype); opt_state: optax state of the trained params (with LoRA:
+    of the adapters, `trainable_split`);
     step: int32 training steps done (one step = one `train_step` call, i.e. `rl.minibatches *
     rl.epochs_per_batch` optimiser updates); rng: the run's PRNG key (raw uint32[2], so it
     checkpoints as a plain array); data_position: int32 position in the data stream;
@@ -41,3 +43,19 @@ def master_params(params, master_fp32: bool = True):
         return params
     return jax.tree.map(
         lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def trainable_split(params: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(trained, frozen) parts of a LoRA model's `params`: its adapters (`nnx.LoRAParam`) and
+    everything else; `nnx.merge_state(trained, frozen)` is `params` again."""
+    trained, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
+    return trained, frozen
+
+
+def param_counts(params: nnx.State, lora: bool) -> dict[str, int]:
+    """{"params/trainable": elements the optimiser updates (the adapters' with `lora`, else
+    all), "params/total": all elements of `params`}."""
+    total = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+    trained = trainable_split(params)[0] if lora else params
+    return {"params/trainable": sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(trained)),
+            "params/total": total}

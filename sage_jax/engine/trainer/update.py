@@ -54,7 +54,7 @@ from sage_jax.core import grpo, rollout_correction, sage
 from sage_jax import models
 from sage_jax.infra import parallel
 from sage_jax.engine.trainer import packing
-from sage_jax.engine.trainer.state import TrainState, master_params
+from sage_jax.engine.trainer.state import TrainState, master_params, trainable_split
 
 PACKED_REQUIRED = ("tokens_ZxL", "segments_ZxL", "loss_mask_ZxL", "advantages_ZxL",
                    "answer_len_ZxL", "advantages_N", "answer_len_N")
@@ -84,6 +84,7 @@ class UpdateSettings:
     logprob_chunk: int | None = DEFAULT_CHUNK  # rl.logprob_chunk: columns per chunk of logits
     rollout_correction: str = "none"  # rl.rollout_correction: none, token or sequence
     rollout_correction_cap: float = 2.0  # rl.rollout_correction_cap
+    lora: bool = False  # model.lora.rank > 0: the adapters are trained, the base is frozen
 
     @classmethod
     def of(cls, cfg: Config) -> UpdateSettings:
@@ -95,7 +96,8 @@ class UpdateSettings:
                    optim=cfg.optim, total_updates=total_updates(cfg), seed=cfg.train.seed,
                    master_fp32=cfg.model.master_fp32, logprob_chunk=rl.logprob_chunk,
                    rollout_correction=rl.rollout_correction,
-                   rollout_correction_cap=rl.rollout_correction_cap)
+                   rollout_correction_cap=rl.rollout_correction_cap,
+                   lora=cfg.model.lora.rank > 0)
 
 
 def total_updates(cfg: Config) -> int:
@@ -134,8 +136,15 @@ def make_optimizer(optim_cfg: OptimConfig, total_steps: int) -> optax.GradientTr
 def init_train_state(model: models.Decoder, settings: UpdateSettings, mesh: Mesh
                      ) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, TrainState) for `model` at step 0, params and optimiser state placed on
-    `mesh` by the partition rules (rng from train.seed)."""
+    `mesh` by the partition rules (rng from train.seed). A ValueError when the model has LoRA
+    adapters and the settings do not train them, or the other way round."""
     graphdef, params = models.split(model)
+    adapters = bool(jax.tree.leaves(trainable_split(params)[0]))
+    if adapters != settings.lora:
+        raise ValueError(
+            "model.lora.rank > 0 but the model has no LoRA adapters (models.with_lora adds "
+            "them)" if settings.lora else "the model has LoRA adapters but model.lora.rank is "
+            "0 (full fine-tuning would train them as well)")
     init = functools.partial(new_state, settings=settings)
     shardings = parallel.tree_shardings(jax.eval_shape(init, params), mesh)
     return graphdef, jax.jit(init, out_shardings=shardings)(params)
@@ -143,10 +152,16 @@ def init_train_state(model: models.Decoder, settings: UpdateSettings, mesh: Mesh
 
 def new_state(params: nnx.State, settings: UpdateSettings) -> TrainState:
     """The `TrainState` at step 0 of the model parameters `params` (float32 masters with
-    model.master_fp32, AdamW of `optim`, rng from train.seed); pure, for jit or eval_shape."""
-    params = master_params(params, settings.master_fp32)
+    model.master_fp32, AdamW of `optim`, rng from train.seed; with LoRA, masters and AdamW
+    state for the adapters only); pure, for jit or eval_shape."""
+    if settings.lora:
+        trained, frozen = trainable_split(params)
+        trained = master_params(trained, settings.master_fp32)
+        params = nnx.merge_state(trained, frozen)
+    else:
+        params = trained = master_params(params, settings.master_fp32)
     opt = make_optimizer(settings.optim, settings.total_updates)
-    return TrainState(params=params, opt_state=opt.init(params),
+    return TrainState(params=params, opt_state=opt.init(trained),
                       step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(settings.seed),
                       data_position=jnp.zeros((), jnp.int32))
 
@@ -213,13 +228,15 @@ def check_batch(batch: dict, settings: UpdateSettings, mesh: Mesh) -> None:
 
 
 def _micro_loss(params, mb, denoms, fresh=False, *, graphdef, settings: UpdateSettings, chunk,
-                remat_logits, rows):
+                remat_logits, rows, frozen=None):
     """(loss, metrics) of one micro-batch; losses and metrics add up over a mini-batch.
     `fresh`: `params` are the ones the answers were sampled with, so the old log-probs are the
-    current ones (not recomputed: the ratio is exactly 1)."""
+    current ones (not recomputed: the ratio is exactly 1). `frozen`: the model's parameters
+    that `params` (then the trained part, with LoRA) lacks."""
     tok_denom, seq_denom = denoms
     loss_mask = mb["loss_mask_ZxL"]
-    model = nnx.merge(graphdef, params)
+    model = (nnx.merge(graphdef, params) if frozen is None
+             else nnx.merge(graphdef, params, frozen))
     h = jax.lax.with_sharding_constraint(
         model.packed_hidden(mb["tokens_ZxL"], mb["segments_ZxL"]),
         rows)  # keep rows split (not D) for the logits
@@ -296,13 +313,14 @@ def _prepare(params, batch, *, graphdef, settings, mesh, chunk, skip_first=False
 
 
 def _accumulate(params, mini, tokens, seqs, *, graphdef, settings, mesh, chunk, remat_logits=True,
-                fresh=False):
-    """(grads, metrics) of one mini-batch [U, R, ...]: micro-batch gradients summed in a scan,
-    each normalised by the whole mini-batch's token (or sequence) count (`fresh`: see
-    `_micro_loss`)."""
+                fresh=False, frozen=None):
+    """(grads, metrics) of one mini-batch [U, R, ...]: micro-batch gradients of `params` (with
+    `frozen`, the rest of the model, held fixed) summed in a scan, each normalised by the whole
+    mini-batch's token (or sequence) count (`fresh`: see `_micro_loss`)."""
     denoms = (jnp.maximum(tokens, 1.0), jnp.maximum(seqs, 1.0))
     loss_fn = functools.partial(_micro_loss, graphdef=graphdef, settings=settings, chunk=chunk,
-                                remat_logits=remat_logits, rows=parallel.rows_sharding(mesh))
+                                remat_logits=remat_logits, rows=parallel.rows_sharding(mesh),
+                                frozen=frozen)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     param_sh = parallel.tree_shardings(params, mesh)
 
@@ -327,8 +345,11 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
                mesh: Mesh, chunk: int | None = DEFAULT_CHUNK, remat_logits: bool = True):
     """(state, batch) -> (state', metrics): one GRPO training step (pure; jit it).
 
+    With LoRA (`settings.lora`) only the adapters are differentiated and updated; the base
+    parameters come out as they went in.
+
     Metrics (means over the step's optimiser updates): loss, pg_loss, grad_norm (before
-    clipping), clip/frac_low, clip/frac_high, clip/frac_dual, kl/old_new, kl/ref (when
+    clipping; of the trained parameters), clip/frac_low, clip/frac_high, clip/frac_dual, kl/old_new, kl/ref (when
     kl_beta > 0), entropy (mean over answer tokens); lr (of the last update); tokens (answer
     tokens in the batch); batch/padding_share (the share of the token slots the update
     computes that are padding); with `level_N` / `collapse_N` in the batch, the shares of answer
@@ -344,6 +365,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
     skip_first = "old_logp_ZxL" not in batch and settings.epochs_per_batch == 1
     data, tokens_M, seqs_M = _prepare(state.params, batch, graphdef=graphdef, settings=settings,
                                       mesh=mesh, chunk=chunk, skip_first=skip_first)
+    trained, frozen = trainable_split(state.params) if settings.lora else (state.params, None)
 
     def update(carry, j):
         params, opt_state, u = carry
@@ -351,7 +373,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
         grads, metrics = _accumulate(params, mini, tokens_M[j], seqs_M[j], graphdef=graphdef,
                                      settings=settings, mesh=mesh, chunk=chunk,
                                      remat_logits=remat_logits,
-                                     fresh=skip_first & (u == 0))
+                                     fresh=skip_first & (u == 0), frozen=frozen)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["lr"] = jnp.asarray(schedule(state.step * updates_per_step + u), jnp.float32)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -359,7 +381,9 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
 
     order = jnp.tile(jnp.arange(settings.minibatches), settings.epochs_per_batch)
     (params, opt_state, _), metrics = jax.lax.scan(
-        update, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), order)
+        update, (trained, state.opt_state, jnp.zeros((), jnp.int32)), order)
+    if frozen is not None:
+        params = nnx.merge_state(params, frozen)
     metrics = {key: (v[-1] if key == "lr" else jnp.max(v) if key.endswith("_max")
                      else jnp.mean(v)) for key, v in metrics.items()}
     metrics["tokens"] = jnp.sum(tokens_M)
