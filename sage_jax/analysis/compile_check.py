@@ -211,16 +211,19 @@ def _with(tree, shardings):
 # ---- the abstract run -------------------------------------------------------------------------
 
 def abstract_model(model_cfg: models.DecoderConfig, cfg: Config) -> tuple:
-    """(graphdef, abstract params in the model dtype) of the run's decoder (`model.remat` set)."""
+    """(graphdef, abstract params in the model dtype) of the run's decoder (`model.remat` set,
+    LoRA adapters with model.lora.rank > 0)."""
     dt, cdt = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
+    lora = models.LoraSpec.of(cfg.model.lora)
     model = nnx.eval_shape(lambda: models.Decoder(model_cfg, dtype=dt, compute_dtype=cdt,
-                                                  rngs=nnx.Rngs(0), remat=cfg.model.remat))
+                                                  rngs=nnx.Rngs(0), remat=cfg.model.remat,
+                                                  lora=lora))
     return models.split(model)
 
 
 def abstract_state(params, cfg: Config, mesh: Mesh) -> TrainState:
-    """The run's `TrainState` (params as the trainer keeps them, AdamW of `cfg.optim`), as
-    ShapeDtypeStructs placed by the partition rules."""
+    """The run's `TrainState` (params as the trainer keeps them, AdamW of `cfg.optim`: of the
+    adapters only with LoRA), as ShapeDtypeStructs placed by the partition rules."""
     state = jax.eval_shape(lambda p: update.new_state(p, update.UpdateSettings.of(cfg)), params)
     return _with(state, parallel.tree_shardings(state, mesh))
 

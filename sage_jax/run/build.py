@@ -32,7 +32,8 @@ def load_task(cfg: Config, model_path: str | None = None) -> Task:
 def load_model(cfg: Config) -> models.Decoder:
     """The policy at its starting point: model.path (through the task's `start_from`, e.g. a
     warm start, where it has one), else the task's built-in model; each built with
-    `model.remat` (the plug-ins read it from `cfg`)."""
+    `model.remat` (the plug-ins read it from `cfg`), and given fresh adapters with
+    model.lora.rank > 0 (`models.with_lora`, drawn from train.seed)."""
     dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
     plugin = registry.plugin(cfg.task.name)
     if cfg.model.path and plugin.start_from is not None:
@@ -48,7 +49,8 @@ def load_model(cfg: Config) -> models.Decoder:
     if model.remat != cfg.model.remat:
         raise config_lib.ConfigError(f"task {cfg.task.name!r} built its model without "
                                      f"model.remat={cfg.model.remat}", key="model.remat")
-    return model
+    lora = models.LoraSpec.of(cfg.model.lora, cfg.train.seed)
+    return model if lora is None else models.with_lora(model, lora)
 
 
 def model_dims(cfg: Config) -> models.DecoderConfig:

@@ -26,7 +26,7 @@ from sage_jax.config import Config
 from sage_jax.infra import host_memory, parallel, provenance, rewards, wandb_log
 from sage_jax.engine.trainer import update
 from sage_jax.analysis import compile_check
-from sage_jax.engine.trainer.state import TrainState
+from sage_jax.engine.trainer.state import TrainState, param_counts
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.rl import batching, engines, rollout
 from sage_jax.rl.types import Rollout, RolloutEngine, SageTables
@@ -153,6 +153,8 @@ class _Run:
     # the trainer's log-probs in the sampled context (`batching.sampled_context_logprobs`),
     # when the rollout correction needs them apart from the update's (rl.loss_context=plain)
     sampled_logprob_fn: Callable | None = None
+    # params/trainable and params/total (`param_counts`), logged with every step
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def save(self, step: int) -> None:
         if step != self.last_saved or self.ckpt.latest_step() is None:
@@ -222,9 +224,12 @@ def _start(cfg: Config, workdir: Path) -> _Run:
               f"{model.cfg.num_params() / 1e6:.2f}M params; processes: {jax.process_count()}",
               flush=True)
     graphdef, state = build.initial_state(model, cfg, mesh, len(examples))
+    counts = param_counts(state.params, lora=cfg.model.lora.rank > 0)
     if is_main:
         print(f"per device: params {_device_mib(state.params):.1f} MiB, optimiser "
-              f"{_device_mib(state.opt_state):.1f} MiB (mesh {dict(mesh.shape)})", flush=True)
+              f"{_device_mib(state.opt_state):.1f} MiB (mesh {dict(mesh.shape)}); trained "
+              f"{counts['params/trainable']:,} of {counts['params/total']:,} parameters",
+              flush=True)
     ckpt = checkpoint.Checkpointer(workdir, keep=cfg.checkpoint.keep,
                                    checksums=cfg.checkpoint.checksums)
     _resume_from(ckpt, cfg.train.resume_step, is_main)
@@ -252,7 +257,7 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
                 batch=batch,
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
-                last_saved=start, engine=engine,
+                last_saved=start, engine=engine, counts=counts,
                 sampled_logprob_fn=update.make_logprob_fn(
                     graphdef, mesh, micro_batch_size=cfg.rl.micro_batch_size,
                     chunk=cfg.rl.logprob_chunk) if batch.sampled_context else None)
@@ -306,7 +311,8 @@ def _step(run: _Run, step: int) -> dict:
     elapsed = time.perf_counter() - t_step
     metrics = {**step_metrics(ro, cfg.rl.max_new_tokens, task.eos_ids), **ro.metrics, **gap,
                **{k: float(v) for k, v in upd.items()}, **timer.metrics(),
-               **synced, "time/step_s": elapsed, "tokens/sampled": sampler.generated_tokens,
+               **synced, **run.counts, "time/step_s": elapsed,
+               "tokens/sampled": sampler.generated_tokens,
                "throughput/tokens_per_s": sampler.generated_tokens / elapsed}
     if run.eval_problems and (step + 1) % cfg.eval.every == 0:
         metrics.update(run_eval(cfg, run.engine, task, run.eval_problems, run.scorer))

@@ -47,7 +47,8 @@ def model_config(cfg) -> models.DecoderConfig:
 
 def restore_policy(workdir: str | Path, step: int | None = None):
     """(cfg, model with the checkpoint's parameters in the run's model.dtype, step) from a
-    training run folder (latest committed step by default)."""
+    training run folder (latest committed step by default); a LoRA run's model has its
+    adapters (`models.merge_lora` folds them in)."""
     workdir = Path(workdir)
     cfg_file = workdir / "config.yaml"
     if not cfg_file.is_file():
@@ -55,8 +56,9 @@ def restore_policy(workdir: str | Path, step: int | None = None):
     cfg = registry.load_config(cfg_file, [], saved=True)
     dtype, cdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.compute_dtype)
     mcfg = model_config(cfg)
-    graphdef, abstract = nnx.split(nnx.eval_shape(
-        lambda: models.Decoder(mcfg, dtype=dtype, compute_dtype=cdtype, rngs=nnx.Rngs(0))))
+    lora = models.LoraSpec.of(cfg.model.lora)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.Decoder(
+        mcfg, dtype=dtype, compute_dtype=cdtype, rngs=nnx.Rngs(0), lora=lora)))
     ckpt = checkpoint.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     try:
         step = ckpt.latest_step() if step is None else step

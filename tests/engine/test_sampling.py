@@ -168,6 +168,41 @@ def test_generate_on_a_mesh_gives_the_same_rows_with_the_trainers_programs():
     np.testing.assert_array_equal(np.asarray(c.tokens).reshape(9, -1), a.tokens)
 
 
+@pytest.mark.slow
+def test_the_sampler_decodes_with_the_lora_adapters():
+    """A LoRA model samples through its adapters: with B = 0 the rows of the same model without
+    adapters; with a non-zero B other rows, the ones of a plain model whose kernels hold the
+    adapters folded in by hand (numpy)."""
+    spec = models.LoraSpec(rank=4, alpha=8.0)
+    plain = _tiny(seed=3)
+    lora = models.Decoder(plain.cfg, rngs=nnx.Rngs(3), lora=spec)
+    prompts = _prompts(97, [4, 9, 6], seed=5)
+    kw = dict(max_new_tokens=12, num_samples=3, temperature=1.0, eos_token_id=5,
+              key=jax.random.PRNGKey(11), prompt_ids=[0, 1, 2])
+    a = sampling.generate(plain, prompts, **kw)
+    b = sampling.generate(lora, prompts, **kw)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-6)
+
+    rng = np.random.default_rng(0)
+    folded = _tiny(seed=3)
+    for path, m in nnx.iter_graph(lora):
+        if isinstance(m, models.decoder.Linear) and m.lora_b is not None:
+            m.lora_b[...] = jnp.asarray(0.3 * rng.standard_normal(m.lora_b.shape), jnp.float32)
+            w = np.asarray(m.kernel[...], np.float64) + (
+                np.asarray(m.lora_a[...], np.float64) @ np.asarray(m.lora_b[...], np.float64)
+                * spec.alpha / spec.rank)
+            target = folded
+            for key in path:
+                target = target[key] if isinstance(key, int) else getattr(target, key)
+            target.kernel[...] = jnp.asarray(w, jnp.float32)
+    c = sampling.generate(lora, prompts, **kw)
+    assert not np.array_equal(c.tokens, a.tokens)
+    d = sampling.generate(folded, prompts, **kw)
+    np.testing.assert_array_equal(c.tokens, d.tokens)
+    np.testing.assert_allclose(c.logprobs, d.logprobs, atol=1e-4)
+
+
 # ---- EOS and padding ----------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from sage_jax.run import loop
-from sage_jax.run import restore
+from sage_jax.run import build, restore
 from sage_jax.infra import checkpoint, provenance, rewards
 from sage_jax import config, train
 from sage_jax.infra.metrics import read_metrics
@@ -56,6 +56,7 @@ def test_each_method_runs_and_writes_metrics(tmp_path, method):
     if evals:  # in-training validation, no hints
         assert "eval/toy/avg@2" in rows[1] and "eval/toy/avg@2" not in rows[0]
     assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["params/trainable"] == rows[0]["params/total"] > 0  # full fine-tuning
     for key in REQUIRED + SAGE:
         assert key in rows[-1], key
     for r in rows:  # the phases are disjoint and cover the step
@@ -97,8 +98,49 @@ def test_the_rollout_correction_weighs_hinted_answers_in_the_context_they_were_s
 
 def _params(workdir):
     _, model, step = restore.restore_policy(workdir)
-    return step, {"/".join(map(str, k)): np.asarray(v.get_value())
-                  for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return step, _flat(model)
+
+
+def _flat(model):
+    return {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def char_parity(response, ground_truth):
+    """A registered reward that splits a random policy's groups (module level: the reward
+    workers import it): the parity of the answer's character codes."""
+    return float(sum(map(ord, response)) % 2)
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_its_adapters_and_samples_with_them(tmp_path):
+    """model.lora.rank=4: params/trainable counts the adapters (r * (in + out) per projection,
+    by hand), the checkpoint's adapters moved from the start while its base is the start's bit
+    for bit, and the native engine samples with the adapters: the trainer's log-probs over the
+    engine's stay 1 at step 2, after step 1 moved them (the rollout correction's ratio)."""
+    rewards.register_reward("test_char_parity", char_parity, overwrite=True)
+    c = cfg("rl.method=grpo", "train.steps=2", "model.lora.rank=4", "optim.lr=1e-2",
+            "rl.rollout_correction=token", "rl.reward=test_char_parity")
+    loop.train(c, tmp_path)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    dims = restore.model_config(c)
+    d, f, q, kv = (dims.hidden_size, dims.intermediate_size, dims.num_heads * dims.head_dim,
+                   dims.num_kv_heads * dims.head_dim)
+    per_layer = 4 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
+    for r in rows:
+        assert r["params/trainable"] == dims.num_layers * per_layer
+        assert r["params/total"] == dims.num_params() + r["params/trainable"]
+    assert rows[1]["rollout_correction/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    start = _flat(build.load_model(c))
+    step, end = _params(tmp_path)
+    assert step == 2 and set(start) == set(end)
+    adapters = [k for k in start if k.endswith(("lora_a", "lora_b"))]
+    assert len(adapters) == 2 * 7 * dims.num_layers
+    for key in start:
+        if key in adapters:
+            assert np.abs(end[key] - start[key]).max() > 1e-4, key
+        else:
+            np.testing.assert_array_equal(end[key], start[key], err_msg=key)
 
 
 @pytest.mark.slow
