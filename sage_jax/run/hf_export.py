@@ -94,7 +94,8 @@ def export_policy(cfg: Config, model: models.Decoder, step: int, out: str | Path
     """Writes a restored policy (`restore.restore_policy`'s `(cfg, model, step)`) to `out` as a
     Hugging Face folder: config.json, model.safetensors, the base model's tokenizer files and
     sage_export.json. `dtype` ("float32", "bfloat16") converts the weights; None keeps the
-    training dtype. Returns the export info (the content of sage_export.json)."""
+    training dtype. A LoRA run's adapters are folded into the kernels (`models.merge_lora`).
+    Returns the export info (the content of sage_export.json)."""
     if dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     _check_out(out, overwrite)
@@ -105,6 +106,8 @@ def export_policy(cfg: Config, model: models.Decoder, step: int, out: str | Path
         "source": None if source is None else str(Path(source).resolve()), "step": int(step),
         "task": cfg.task.name, "method": cfg.rl.method, "base_model": cfg.model.path,
         "dtype": dtype or str(jnp.dtype(model.dtype).name), "hints": "none (hint-free policy)",
+        "lora": (f"rank {cfg.model.lora.rank}, alpha {cfg.model.lora.alpha}: merged into the "
+                 f"kernels" if cfg.model.lora.rank else None),
         "tokenizer_files": [], "tokenizer": None}
     base = _base_folder(cfg.model.path)
     if not cfg.model.path:

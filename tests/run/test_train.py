@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from sage_jax.run import loop
-from sage_jax.run import build, restore
+from sage_jax.run import build, hf_export, restore
 from sage_jax.infra import checkpoint, provenance, rewards
 from sage_jax import config, train
 from sage_jax.infra.metrics import read_metrics
@@ -141,6 +142,15 @@ def test_a_lora_run_trains_its_adapters_and_samples_with_them(tmp_path):
             assert np.abs(end[key] - start[key]).max() > 1e-4, key
         else:
             np.testing.assert_array_equal(end[key], start[key], err_msg=key)
+    # The export folds the adapters into the kernels (models.merge_lora).
+    info = hf_export.export_checkpoint(tmp_path, tmp_path / "export", log=lambda line: None)
+    assert info["lora"] == "rank 4, alpha 16.0: merged into the kernels"
+    tensors = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert not any("lora" in name for name in tensors)
+    q = "layers/0/self_attn/q_proj/"
+    want = end[q + "kernel"] + end[q + "lora_a"] @ end[q + "lora_b"] * 16.0 / 4
+    np.testing.assert_allclose(tensors["model.layers.0.self_attn.q_proj.weight"].T, want,
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
