@@ -177,11 +177,11 @@ class Linear(nnx.Module):
             y = y + self.bias[...].astype(self.cdtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def _adapted(self, x_RxI: jax.Array) -> jax.Array:
-        """The adapters' term (x @ lora_a) @ lora_b * alpha / rank [R, out] in the compute
-        dtype, of rows `x_RxI` already in it."""
+    def _adapted(self, x2: jax.Array) -> jax.Array:
+        """The adapters' term (x @ lora_a) @ lora_b * alpha / rank [rows, out] in the compute
+        dtype, of the 2-D rows `x2` already in it."""
         assert self.lora_a is not None and self.lora_b is not None
-        xa = keep_rows(jnp.dot(x_RxI, self.lora_a[...].astype(self.cdtype)))
+        xa = keep_rows(jnp.dot(x2, self.lora_a[...].astype(self.cdtype)))
         return (jnp.dot(xa, self.lora_b[...].astype(self.cdtype))
                 * jnp.asarray(self.lora_scale, self.cdtype))
 
