@@ -383,6 +383,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
     (params, opt_state, _), metrics = jax.lax.scan(
         update, (trained, state.opt_state, jnp.zeros((), jnp.int32)), order)
     if frozen is not None:
+        assert isinstance(params, nnx.State)  # the scan gives back the trained part's pytree
         params = nnx.merge_state(params, frozen)
     metrics = {key: (v[-1] if key == "lr" else jnp.max(v) if key.endswith("_max")
                      else jnp.mean(v)) for key, v in metrics.items()}
