@@ -349,13 +349,14 @@ def train_step(state: TrainState, batch: dict, *, graphdef, settings: UpdateSett
     parameters come out as they went in.
 
     Metrics (means over the step's optimiser updates): loss, pg_loss, grad_norm (before
-    clipping; of the trained parameters), clip/frac_low, clip/frac_high, clip/frac_dual, kl/old_new, kl/ref (when
-    kl_beta > 0), entropy (mean over answer tokens); lr (of the last update); tokens (answer
-    tokens in the batch); batch/padding_share (the share of the token slots the update
-    computes that are padding); with `level_N` / `collapse_N` in the batch, the shares of answer
-    tokens from hinted groups (batch/hinted_token_frac) and from groups that collapsed to all
-    zero before hints (batch/rescued_token_frac: the tokens SAGE's re-sampling brought back
-    into the gradient), and the mean |advantage| over those rows (batch/hinted_abs_adv).
+    clipping; of the trained parameters), clip/frac_low, clip/frac_high, clip/frac_dual,
+    kl/old_new, kl/ref (when kl_beta > 0), entropy (mean over answer tokens); lr (of the last
+    update); tokens (answer tokens in the batch); batch/padding_share (the share of the token
+    slots the update computes that are padding); with `level_N` / `collapse_N` in the batch, the
+    shares of answer tokens from hinted groups (batch/hinted_token_frac) and from groups that
+    collapsed to all zero before hints (batch/rescued_token_frac: the tokens SAGE's re-sampling
+    brought back into the gradient), and the mean |advantage| over those rows
+    (batch/hinted_abs_adv).
     """
     updates_per_step = settings.minibatches * settings.epochs_per_batch
     total = settings.total_updates
