@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from sage_jax import models
+from sage_jax.config import MeshConfig
 from sage_jax.infra import hardware, parallel
 from sage_jax.engine.sampler import placement
 from sage_jax.analysis import compile_check as aot
@@ -138,6 +139,26 @@ def _shape_of(leaf: str) -> tuple:
         if leaf.endswith(key):
             return shape
     return (d,) if leaf.endswith("weight") else ()
+
+
+def test_a_lora_run_is_compiled_with_adam_state_for_its_adapters_only():
+    """model.lora.rank=8: the abstract run's params hold the adapters (r * (in + out) per
+    projection, counted by hand) and its AdamW moments are theirs alone, in float32."""
+    dims = models.DecoderConfig.from_hf_dict(TINY)
+    mesh = parallel.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    d, q, kv, f = 64, 4 * 16, 2 * 16, 128
+    adapters = 2 * 8 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
+    states = {}
+    for rank in (0, 8):
+        cfg = tiny_cfg(f"model.lora.rank={rank}")
+        _, params = aot.abstract_model(dims, cfg)
+        states[rank] = aot.abstract_state(params, cfg, mesh)
+    full, lora = (sum(x.size for x in jax.tree.leaves(states[r].params)) for r in (0, 8))
+    assert lora - full == adapters
+    moments = lambda s: [x for x in jax.tree.leaves(s.opt_state) if x.ndim]  # noqa: E731
+    assert sum(x.size for x in moments(states[8])) == 2 * adapters
+    assert {x.dtype for x in moments(states[8])} == {jnp.dtype(jnp.float32)}
+    assert sum(x.size for x in moments(states[0])) == 2 * full
 
 
 def test_matmul_flops_multiply_loop_bodies():
