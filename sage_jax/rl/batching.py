@@ -46,19 +46,22 @@ class BatchSettings:
     @property
     def sampled_context(self) -> bool:
         """Whether the correction needs the trainer's log-probs in the context the answers were
-        sampled in apart from the loss's (`sampled_context_logprobs`): loss_context=plain."""
+        sampled in apart from the loss's (`answer_logprobs`): loss_context=plain."""
         return self.engine_logprobs and self.loss_context == "plain"
 
 
 def update_batch(ro: Rollout, settings: update.UpdateSettings, batch: BatchSettings,
-                 sampled_logprobs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                 sampled_logprobs: np.ndarray | None = None,
+                 ref_logprobs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The batch `update.TrainStep` takes, of a rollout's rows (`train_rows`): with
     `batch.padding_free`, packed end to end (`packing.pack_rows`) in sequences of the run's
     longest row (`settings.row_len`); else one row per sequence (`packing.as_packed` of
-    `train_batch`'s padded layout, L columns). `sampled_logprobs`: see `train_rows`."""
+    `train_batch`'s padded layout, L columns). `sampled_logprobs`, `ref_logprobs`: see
+    `train_rows`."""
     rows = train_rows(ro, loss_context=batch.loss_context, adv_scale=batch.adv_scale,
                       sampler_logprobs=batch.sampler_logprobs,
-                      engine_logprobs=batch.engine_logprobs, sampled_logprobs=sampled_logprobs)
+                      engine_logprobs=batch.engine_logprobs, sampled_logprobs=sampled_logprobs,
+                      ref_logprobs=ref_logprobs)
     width = packing.length_bucket(max(len(t) for t in rows["tokens"]))
     if not batch.padding_free:
         return packing.as_packed(packing.pad_rows(rows, width, batch.pad_id))
@@ -79,7 +82,8 @@ def train_batch(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "
 
 def train_rows(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "group",
                sampler_logprobs: bool = False, engine_logprobs: bool = False,
-               sampled_logprobs: np.ndarray | None = None) -> dict:
+               sampled_logprobs: np.ndarray | None = None,
+               ref_logprobs: np.ndarray | None = None) -> dict:
     """The update's rows of a rollout (`packing.rows_of`'s form), prompt-major: each row its
     prompt then its answer (`loss_mask` on the answer tokens, end-of-sequence included), with
     its group's advantage, hint level and first-pass collapse status.
@@ -90,7 +94,8 @@ def train_rows(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "g
     (`rl.old_logprobs=sampler`; only in the context they were sampled in, "hinted").
     `engine_logprobs`: they ride along as `sampler_logp` (the rollout correction's denominator).
     `sampled_logprobs` [B, G, T]: the trainer's log-probs of the answers in the context they
-    were sampled in (`sampled_context_logprobs`), as `sampled_logp`.
+    were sampled in (`answer_logprobs`), as `sampled_logp`. `ref_logprobs` [B, G, T]: the
+    frozen reference's log-probs of the answers in the loss's context, as `ref_logp`.
     """
     if loss_context not in ("hinted", "plain"):
         raise ValueError(f"loss_context must be 'hinted' or 'plain', got {loss_context!r}")
@@ -102,7 +107,7 @@ def train_rows(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "g
     g = tokens_BxGxT.shape[1]
     answers = {"old_logp": ro.samples.logprobs if sampler_logprobs else None,
                "sampler_logp": ro.samples.logprobs if engine_logprobs else None,
-               "sampled_logp": sampled_logprobs}
+               "sampled_logp": sampled_logprobs, "ref_logp": ref_logprobs}
     answers = {k: v for k, v in answers.items() if v is not None}
     rows: dict = {"tokens": [], "loss_mask": [], **{k: [] for k in answers}}
     for i, p in enumerate(prompts):
@@ -120,21 +125,23 @@ def train_rows(ro: Rollout, *, loss_context: str = "hinted", adv_scale: str = "g
     return rows
 
 
-def sampled_context_logprobs(ro: Rollout, logprob_fn, params, mesh,
-                             pad_id: int = 0) -> np.ndarray:
-    """[B, G, T]: the trainer's log-probs (`params`, `update.make_logprob_fn`) of each answer in
-    the context it was sampled in (a hinted group's hinted prompt), 0 past its length."""
-    b = train_batch(ro, loss_context="hinted", pad_id=pad_id)
+def answer_logprobs(ro: Rollout, logprob_fn, params, mesh, *, context: str = "hinted",
+                    pad_id: int = 0) -> np.ndarray:
+    """[B, G, T]: the log-probs under `params` (`update.make_logprob_fn`) of each answer after
+    its prompt in `context` ("hinted": the one it was sampled in, a hinted group's hinted
+    prompt; "plain": the bare prompt), 0 past its length."""
+    b = train_batch(ro, loss_context=context, pad_id=pad_id)
     n = len(b["tokens_NxL"])
     local = parallel.local_rows(n, mesh)
     x = parallel.shard_batch({k: b[k][local] for k in ("tokens_NxL", "mask_NxL",
                                                        "loss_mask_NxL")}, mesh, global_rows=n)
     logp_NxL = distributed.fetch(logprob_fn(params, x["tokens_NxL"], x["mask_NxL"],
                                             x["loss_mask_NxL"]))
+    prompts = ro.prompts if context == "hinted" else ro.plain_prompts
     lengths_BxG = np.asarray(ro.samples.lengths)
     out_BxGxT = np.zeros(np.shape(ro.samples.logprobs), np.float32)
     g = lengths_BxG.shape[1]
-    for i, p in enumerate(ro.prompts):
+    for i, p in enumerate(prompts):
         for j in range(g):
             n_ij = int(lengths_BxG[i, j])
             out_BxGxT[i, j, :n_ij] = logp_NxL[i * g + j, len(p):len(p) + n_ij]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -26,6 +27,7 @@ from sage_jax.config import Config
 from sage_jax.infra import host_memory, parallel, provenance, rewards, wandb_log
 from sage_jax.engine.trainer import update
 from sage_jax.analysis import compile_check
+from sage_jax.engine.trainer import state as trainer_state
 from sage_jax.engine.trainer.state import TrainState, param_counts
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.rl import batching, engines, rollout
@@ -150,9 +152,18 @@ class _Run:
     eval_problems: dict[str, list[Problem]] | None
     engine: RolloutEngine  # rollout.engine: samples every pass, validation too
     last_saved: int = 0
-    # the trainer's log-probs in the sampled context (`batching.sampled_context_logprobs`),
-    # when the rollout correction needs them apart from the update's (rl.loss_context=plain)
-    sampled_logprob_fn: Callable | None = None
+    # log-probs of a rollout's answers (`batching.answer_logprobs`): the trainer's in the sampled
+    # context, when the rollout correction needs them apart from the update's
+    # (rl.loss_context=plain), and the frozen reference's (rl.kl_beta > 0)
+    logprob_fn: Callable | None = None
+    # rl.kl_beta > 0: the reference's parameters, a copy of the initial policy's (None with
+    # LoRA: the current params with the adapters zeroed, `reference`)
+    ref_params: Any = None
+
+    def reference(self):
+        """The KL reference's parameters: the initial policy (LoRA: the frozen base)."""
+        return (trainer_state.without_adapters(self.state.params) if self.ref_params is None
+                else self.ref_params)
     # params/trainable and params/total (`param_counts`), logged with every step
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -230,6 +241,9 @@ def _start(cfg: Config, workdir: Path) -> _Run:
               f"{_device_mib(state.opt_state):.1f} MiB (mesh {dict(mesh.shape)}); trained "
               f"{counts['params/trainable']:,} of {counts['params/total']:,} parameters",
               flush=True)
+    # rl.kl_beta > 0 without LoRA: the initial policy, copied before the first step donates it
+    ref_params = (jax.tree.map(jnp.copy, state.params)
+                  if cfg.rl.kl_beta > 0 and cfg.model.lora.rank == 0 else None)
     ckpt = checkpoint.Checkpointer(workdir, keep=cfg.checkpoint.keep,
                                    checksums=cfg.checkpoint.checksums)
     _resume_from(ckpt, cfg.train.resume_step, is_main)
@@ -258,9 +272,11 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 batch=batch,
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
                 last_saved=start, engine=engine, counts=counts,
-                sampled_logprob_fn=update.make_logprob_fn(
+                logprob_fn=update.make_logprob_fn(
                     graphdef, mesh, micro_batch_size=cfg.rl.micro_batch_size,
-                    chunk=cfg.rl.logprob_chunk) if batch.sampled_context else None)
+                    chunk=cfg.rl.logprob_chunk)
+                if batch.sampled_context or cfg.rl.kl_beta > 0 else None,
+                ref_params=ref_params)
 
 
 def _resume_from(ckpt: checkpoint.Checkpointer, step: int | None, is_main: bool) -> None:
@@ -294,9 +310,14 @@ def _step(run: _Run, step: int) -> dict:
         host_memory.trim()  # what sampling freed, before the update's peak
         # The old log-probs are JAX's: another engine's are only compared with them (`gap`).
         gap = run.engine.logprob_gap(ro)
-        sampled = None if run.sampled_logprob_fn is None else batching.sampled_context_logprobs(
-            ro, run.sampled_logprob_fn, run.state.params, mesh, task.pad_id)
-        batch = batching.update_batch(ro, run.step_fn.settings, run.batch, sampled)
+        sampled = ref = None
+        if run.batch.sampled_context:  # the rollout correction under loss_context=plain
+            sampled = batching.answer_logprobs(ro, run.logprob_fn, run.state.params, mesh,
+                                               context="hinted", pad_id=task.pad_id)
+        if cfg.rl.kl_beta > 0:
+            ref = batching.answer_logprobs(ro, run.logprob_fn, run.reference(), mesh,
+                                           context=run.batch.loss_context, pad_id=task.pad_id)
+        batch = batching.update_batch(ro, run.step_fn.settings, run.batch, sampled, ref)
     with timer("update"):
         # This process's rows (or packed sequences) of each array; each is split over the mesh.
         state, upd = run.step_fn(run.state, parallel.shard_batch(

@@ -489,8 +489,8 @@ def test_the_rollout_correction_rows_carry_the_engines_and_the_sampled_contexts_
                                head_dim=8)
     graphdef, params = nnx.split(models.Decoder(cfg, rngs=nnx.Rngs(1)))
     mesh = parallel.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-    sampled = batching.sampled_context_logprobs(
-        ro, update.make_logprob_fn(graphdef, mesh), params, mesh)
+    sampled = batching.answer_logprobs(
+        ro, update.make_logprob_fn(graphdef, mesh), params, mesh, context="hinted")
     rows = batching.train_rows(ro, loss_context="plain", engine_logprobs=True,
                                sampled_logprobs=sampled)
     for q, (i, j) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):

@@ -97,6 +97,31 @@ def test_the_rollout_correction_weighs_hinted_answers_in_the_context_they_were_s
     assert r["rollout_correction/masked_share"] == 0.0
 
 
+@pytest.mark.slow
+def test_the_kl_penalty_is_to_the_initial_policy_also_after_a_resume(tmp_path):
+    """rl.kl_beta > 0: the update's reference is the initial policy, kept from before a resume
+    restores the state (a resumed run logs the uninterrupted run's kl/ref); with LoRA it is the
+    base, the adapters zeroed."""
+    # one update a step: a step's kl/ref is that of the policy it starts from
+    kl = ["rl.method=grpo", "train.steps=2", "rl.kl_beta=0.1", "rl.minibatches=1"]
+    loop.train(cfg(*kl), tmp_path / "whole")
+    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    loop.train(cfg(*kl), tmp_path / "resumed", stop_after=1)
+    loop.train(cfg(*kl), tmp_path / "resumed")
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["kl/ref"] for r in resumed] == [r["kl/ref"] for r in whole]
+    # step 1 starts at the reference, step 2 one update away from it
+    steps = [r["kl/ref"] for r in whole]
+    assert 0 <= steps[0] < 1e-9 and steps[1] > 1e-8, steps  # 0.0 and 7.4e-07 (weight decay)
+    for r in whole:  # loss = pg_loss + beta * kl/ref, each a mean over the updates
+        assert r["loss"] == pytest.approx(r["pg_loss"] + 0.1 * r["kl/ref"], rel=1e-5, abs=1e-7)
+    loop.train(cfg(*kl, "model.lora.rank=4"), tmp_path / "lora")
+    lora = read_metrics(tmp_path / "lora" / "metrics.jsonl")
+    # B starts at zero: the policy is the base (a random toy policy earns no reward here, so
+    # only weight decay moves it: the full run's 7.4e-07 at step 2, none for B = 0)
+    assert [r["kl/ref"] for r in lora] == [0.0, 0.0]
+
+
 def _params(workdir):
     _, model, step = restore.restore_policy(workdir)
     return step, _flat(model)

@@ -59,3 +59,10 @@ def param_counts(params: nnx.State, lora: bool) -> dict[str, int]:
     trained = trainable_split(params)[0] if lora else params
     return {"params/trainable": sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(trained)),
             "params/total": total}
+
+
+def without_adapters(params: nnx.State) -> nnx.State:
+    """A LoRA model's `params` with its adapters zeroed: the frozen base's function (the KL
+    reference of a LoRA run), without a second copy of the base."""
+    trained, frozen = trainable_split(params)
+    return nnx.merge_state(jax.tree.map(jnp.zeros_like, trained), frozen)
