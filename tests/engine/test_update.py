@@ -199,12 +199,18 @@ def test_micro_batching_gives_the_same_gradient_and_params(agg, capsys):
 def test_sharded_update_equals_one_device(capsys):
     """Two updates (2 mini-batches x 2 micro-batches) on 5 meshes: same params to 1e-5."""
     cfg = make_cfg(prompts=8, minibatches=2, micro_batch_size=8, lr=1e-3)
+    meshes_equal_one_device(cfg, init, [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2)], "", capsys)
+
+
+def meshes_equal_one_device(cfg, init_fn, shapes, label, capsys):
+    """One step on 1 device and on each mesh of `shapes`: the same params to 1e-5 and the same
+    loss; and the step moved the params."""
     batch = make_batch(32, seed=2)
     out = {}
-    for shape in [(1, 1, 1), (8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2)]:
+    for shape in [(1, 1, 1), *shapes]:
         devices = jax.devices()[:1] if shape == (1, 1, 1) else None
         mesh = parallel.make_mesh(MeshConfig(*shape), devices)
-        graphdef, state = init(cfg, mesh)
+        graphdef, state = init_fn(cfg, mesh)
         state, metrics = packed_step(graphdef, settings_of(cfg), mesh)(
             state, parallel.shard_batch(batch, mesh))
         out[shape] = (jax.tree.map(np.asarray, state.params), metrics)
@@ -212,10 +218,10 @@ def test_sharded_update_equals_one_device(capsys):
     for shape, (params, metrics) in out.items():
         diff = max_diff(params, base_params)
         with capsys.disabled():
-            print(f"\nmesh {shape}: max |param diff| vs 1 device = {diff:.2e}", end="")
+            print(f"\n{label}mesh {shape}: max |param diff| vs 1 device = {diff:.2e}", end="")
         assert diff < 1e-5, shape
         np.testing.assert_allclose(metrics["loss"], base_metrics["loss"], rtol=1e-5, atol=1e-7)
-    assert max_diff(base_params, init(cfg, one_device_mesh())[1].params) > 1e-4  # it moved
+    assert max_diff(base_params, init_fn(cfg, one_device_mesh())[1].params) > 1e-4  # it moved
 
 
 # ---------------------------------------------------------------------------------- behaviour
@@ -460,20 +466,4 @@ def test_sharded_lora_update_equals_one_device(capsys):
     """Two LoRA updates on meshes that split the adapters over fsdp and tensor: the same
     params as on 1 device."""
     cfg = lora_cfg(prompts=8, minibatches=2, micro_batch_size=8, lr=1e-3)
-    batch = make_batch(32, seed=2)
-    out = {}
-    for shape in [(1, 1, 1), (2, 2, 2), (1, 4, 2)]:
-        devices = jax.devices()[:1] if shape == (1, 1, 1) else None
-        mesh = parallel.make_mesh(MeshConfig(*shape), devices)
-        graphdef, state = init_lora(cfg, mesh)
-        state, metrics = packed_step(graphdef, settings_of(cfg), mesh)(
-            state, parallel.shard_batch(batch, mesh))
-        out[shape] = (jax.tree.map(np.asarray, state.params), metrics)
-    base_params, base_metrics = out[(1, 1, 1)]
-    for shape, (params, metrics) in out.items():
-        diff = max_diff(params, base_params)
-        with capsys.disabled():
-            print(f"\nLoRA, mesh {shape}: max |param diff| vs 1 device = {diff:.2e}", end="")
-        assert diff < 1e-5, shape
-        np.testing.assert_allclose(metrics["loss"], base_metrics["loss"], rtol=1e-5, atol=1e-7)
-    assert max_diff(base_params, init_lora(cfg, one_device_mesh())[1].params) > 1e-4  # it moved
+    meshes_equal_one_device(cfg, init_lora, [(2, 2, 2), (1, 4, 2)], "LoRA, ", capsys)
