@@ -34,8 +34,18 @@ def _records(wandb_file: Path) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+@pytest.fixture
+def wandb_service():
+    """W&B's service (a wandb-core process) lives as long as the Python process that started
+    it: stopped after the test instead of running beside the worker's later tests."""
+    yield
+    import wandb  # only where the test ran, which needs it
+    wandb.teardown()
+
+
 @pytest.mark.slow
-def test_offline_history_equals_metrics_jsonl_across_a_resume(tmp_path, monkeypatch):
+def test_offline_history_equals_metrics_jsonl_across_a_resume(tmp_path, monkeypatch,
+                                                              wandb_service):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
     train.run(registry.load_config(config.CONFIG_DIR / "toy_uniform.yaml", ARGS + ["train.steps=2"]), run)
