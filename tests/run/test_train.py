@@ -167,15 +167,22 @@ def test_a_lora_run_trains_its_adapters_and_samples_with_them(tmp_path):
             assert np.abs(end[key] - start[key]).max() > 1e-4, key
         else:
             np.testing.assert_array_equal(end[key], start[key], err_msg=key)
-    # The export folds the adapters into the kernels (models.merge_lora).
+    # The export folds the adapters into the kernels (models.merge_lora) and writes them alone
+    # as a PEFT adapter folder (its parity with peft: tests/run/test_peft_export.py).
     info = hf_export.export_checkpoint(tmp_path, tmp_path / "export", log=lambda line: None)
-    assert info["lora"] == "rank 4, alpha 16.0: merged into the kernels"
+    assert info["lora"] == ("rank 4, alpha 16.0: merged into the kernels; the adapters alone in "
+                            "adapter/ (PEFT) for the base model the toy task builds")
     tensors = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert not any("lora" in name for name in tensors)
     q = "layers/0/self_attn/q_proj/"
     want = end[q + "kernel"] + end[q + "lora_a"] @ end[q + "lora_b"] * 16.0 / 4
     np.testing.assert_allclose(tensors["model.layers.0.self_attn.q_proj.weight"].T, want,
                                rtol=1e-5, atol=1e-6)
+    adapter = load_file(str(tmp_path / "export" / info["adapter"] / "adapter_model.safetensors"))
+    assert len(adapter) == len(adapters)
+    peft_q = "base_model.model.model.layers.0.self_attn.q_proj."
+    np.testing.assert_array_equal(adapter[peft_q + "lora_A.weight"], end[q + "lora_a"].T)
+    np.testing.assert_array_equal(adapter[peft_q + "lora_B.weight"], end[q + "lora_b"].T)
 
 
 @pytest.mark.slow
