@@ -17,6 +17,7 @@ import transformers
 from sage_jax import models
 from sage_jax.config import Config
 from sage_jax.run import restore
+from sage_jax.tasks import registry
 
 # Files of a Hugging Face model folder that belong to its tokenizer / generation defaults / licence.
 TOKENIZER_PATTERNS = (
@@ -98,7 +99,8 @@ def export_policy(cfg: Config, model: models.Decoder, step: int, out: str | Path
     Hugging Face folder: config.json, model.safetensors, the base model's tokenizer files and
     sage_export.json. `dtype` ("float32", "bfloat16") converts the weights; None keeps the
     training dtype. A LoRA run's adapters are folded into the kernels (`models.merge_lora`)
-    and also written alone to `out/ADAPTER_DIR` (`models.to_peft`, on the run's model.path).
+    and also written alone to `out/ADAPTER_DIR` (`models.to_peft`, on the folder the task
+    starts from: its `start_folder`, e.g. a warm start, else model.path).
     Returns the export info (the content of sage_export.json)."""
     if dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
@@ -108,15 +110,19 @@ def export_policy(cfg: Config, model: models.Decoder, step: int, out: str | Path
     jdtype = None if dtype is None else jnp.dtype(dtype)
     models.to_hf(model, out, dtype=jdtype)
     lora = models.LoraSpec.of(cfg.model.lora)
+    start_folder = registry.plugin(cfg.task.name).start_folder
+    # the adapters' base: the folder the task starts from (e.g. its warm start), else model.path
+    lora_base = (str(start_folder(cfg)) if start_folder is not None and cfg.model.path
+                 else cfg.model.path)
     if lora is not None:
-        models.to_peft(model, lora, out / ADAPTER_DIR, base_model=cfg.model.path, dtype=jdtype)
+        models.to_peft(model, lora, out / ADAPTER_DIR, base_model=lora_base, dtype=jdtype)
     info: dict[str, Any] = {
         "source": None if source is None else str(Path(source).resolve()), "step": int(step),
         "task": cfg.task.name, "method": cfg.rl.method, "base_model": cfg.model.path,
         "dtype": dtype or str(jnp.dtype(model.dtype).name), "hints": "none (hint-free policy)",
         "lora": (f"rank {cfg.model.lora.rank}, alpha {cfg.model.lora.alpha}: merged into the "
                  f"kernels; the adapters alone in {ADAPTER_DIR}/ (PEFT) for the base model "
-                 f"{cfg.model.path or f'the {cfg.task.name} task builds'}" if lora else None),
+                 f"{lora_base or f'the {cfg.task.name} task builds'}" if lora else None),
         "adapter": ADAPTER_DIR if lora else None,
         "tokenizer_files": [], "tokenizer": None}
     base = _base_folder(cfg.model.path)

@@ -2,6 +2,7 @@
 transformers base model and gets this library's logits, unmerged and merged (`merge_and_unload`)
 alike, and those of the merged export beside it. A run without LoRA writes no adapter folder."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from hf_reference import hf_logits, make_hf_model
 from sage_jax import config, models
 from sage_jax.models.decoder import Linear
 from sage_jax.run import hf_export
+from sage_jax.tasks.words import hf_warm_start
 
 TOL = 1e-5  # float32 logits, this library against transformers + peft
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
@@ -117,3 +119,18 @@ def test_the_adapter_config_is_the_models_adapters_or_an_error(tmp_path):
     assert (hub["base_model_name_or_path"], hub["revision"]) == ("Qwen/Qwen2.5-0.5B-Instruct",
                                                                  "abc123")
     assert hub["target_modules"] == sorted(TARGETS)
+
+
+def test_the_adapters_of_a_warm_started_run_name_the_warm_start_as_their_base(tmp_path):
+    """The word task trains from its SFT warm start (the task's `start_folder`), not from
+    model.path itself: that folder is the base the exported adapters belong to."""
+    base = tmp_path / "base"
+    make_hf_model("qwen2_qkv_bias").save_pretrained(base)
+    cfg = dataclasses.replace(_run_config(base), task=config.TaskConfig(name="words"))
+    info = hf_export.export_policy(cfg, _trained_lora(base), 3, tmp_path / "export",
+                                   log=lambda line: None)
+    written = json.loads((tmp_path / "export" / info["adapter"] / "adapter_config.json")
+                         .read_text())
+    warm = str(hf_warm_start.warm_start_folder(cfg))
+    assert written["base_model_name_or_path"] == warm != str(base.resolve())
+    assert warm in info["lora"]
