@@ -8,6 +8,12 @@ added_tokens.json, chat template files, generation_config.json and licence files
 load it and serving stacks (vLLM, SGLang, TGI) can run it. DIR/sage_export.json records where it
 came from.
 
+A LoRA run (`model.lora.rank` > 0) is exported twice: DIR holds its adapters folded into the
+kernels (the model above), and DIR/adapter/ holds the adapters alone as a PEFT adapter folder
+(adapter_config.json, adapter_model.safetensors) for the run's base model `model.path`:
+`peft.PeftModel.from_pretrained(base, DIR/adapter)` on that model, or a server's LoRA slot
+(vLLM's `--lora-modules`). sage_export.json's `adapter` names the folder (null without LoRA).
+
 Hints are a training-time device only: the policy is the same network with or without them, so
 the export is the hint-free policy, prompted with the bare problem.
 

@@ -18,10 +18,13 @@ Added here:
     does not read is moved aside to ``<step>.corrupt`` (never deleted) and the one before is
     tried. A target that does not fit (another config) is a `CheckpointMismatchError`.
   * Errors in one line that name the directory (and say so when the disk is full).
+  * `fingerprint`: the identity of a set of weights (e.g. the frozen base a LoRA checkpoint's
+    adapters belong to), computed where the arrays are, and `size_bytes` of a committed step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -115,6 +118,43 @@ def _one_line(text: str, limit: int = 200) -> str:
     """The first line of an error message, at most `limit` characters."""
     line = text.strip().splitlines()[0] if text.strip() else "unknown error"
     return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+_MIX = (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35)  # odd 32-bit constants (golden ratio, murmur3)
+
+
+def _leaf_sums(x: jax.Array) -> jax.Array:
+    """Two position-weighted sums (uint32, wrapping) of a leaf's bits: sum(bits * odd weight)
+    and sum(murmur3-mixed bits + position). Integer sums are exact in any order, so a sharded
+    leaf gives the value its one-device copy gives."""
+    u32 = jnp.uint32
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+    bits = jax.lax.bitcast_convert_type(x, width).astype(u32)
+    pos, stride = jnp.zeros(x.shape, u32), 1
+    for axis in reversed(range(x.ndim)):
+        pos, stride = pos + jax.lax.broadcasted_iota(u32, x.shape, axis) * u32(stride), \
+            stride * x.shape[axis] % 2**32
+    h = bits + pos * u32(_MIX[0])
+    h = (h ^ (h >> 16)) * u32(_MIX[1])
+    h = (h ^ (h >> 13)) * u32(_MIX[2])
+    h = h ^ (h >> 16)
+    return jnp.stack([jnp.sum(bits * (pos * u32(_MIX[0]) | u32(1)), dtype=u32),
+                      jnp.sum(h, dtype=u32)])
+
+
+def fingerprint(tree: Any) -> str:
+    """sha256 (hex) of a pytree's leaf paths, shapes, dtypes and two 32-bit checksums of each
+    leaf's bits (`_leaf_sums`), computed on the arrays' devices: the same for the same values
+    on one device or sharded over many, without gathering them on one host. A changed element
+    always changes the first checksum; distinct weights collide with a chance of about 2^-64
+    a leaf. Not a cryptographic hash: it tells weights apart, it does not authenticate them."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    sums = jax.device_get(jax.jit(lambda xs: [_leaf_sums(x) for x in xs])([x for _, x in flat]))
+    h = hashlib.sha256()
+    for (path, x), (a, b) in zip(flat, sums):
+        h.update(f"{jax.tree_util.keystr(path)} {tuple(x.shape)} {jnp.dtype(x.dtype).name} "
+                 f"{int(a)} {int(b)}\n".encode())
+    return h.hexdigest()
 
 
 def _drop_closed_loop_errors() -> None:
@@ -308,6 +348,23 @@ class Checkpointer:
             raise CheckpointError(f"restoring checkpoint {where} failed: {type(e).__name__}: "
                                   f"{e}") from e
         return _rewrap_keys(out[STATE_ITEM], target), dict(out[EXTRA_ITEM] or {})
+
+    def extra(self, step: int) -> dict:
+        """The `extra` JSON dict saved with committed `step` (the state is not read)."""
+        self.wait()
+        step = self._committed(step)
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(**{
+                EXTRA_ITEM: ocp.args.JsonRestore()}))
+        except Exception as e:
+            raise CheckpointError(f"reading the metadata of checkpoint {self.step_dir(step)} "
+                                  f"failed: {type(e).__name__}: {_one_line(str(e))}") from e
+        return dict(out[EXTRA_ITEM] or {})
+
+    def size_bytes(self, step: int) -> int:
+        """Bytes on disk of committed `step` (every file of its directory)."""
+        step = self._committed(step)
+        return sum(f.stat().st_size for f in self.step_dir(step).rglob("*") if f.is_file())
 
     def restore_subtree(self, step: int, key: str) -> Any:
         """The state's top-level entry `key` (e.g. "params") of committed `step`, read alone (the

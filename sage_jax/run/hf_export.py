@@ -1,7 +1,8 @@
 """A run's policy as a plain Hugging Face folder: config.json, model.safetensors (the
 checkpoint's parameters), the base model's tokenizer, generation-config and licence files
-(`TOKENIZER_PATTERNS`) and sage_export.json (where it came from). What the folder is for and
-what it holds for a toy-task run: `python -m sage_jax.export --help`."""
+(`TOKENIZER_PATTERNS`) and sage_export.json (where it came from); a LoRA run's adapters also
+alone, as a PEFT adapter folder in its `ADAPTER_DIR`. What the folders are for and what they
+hold for a toy-task run: `python -m sage_jax.export --help`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import transformers
 from sage_jax import models
 from sage_jax.config import Config
 from sage_jax.run import restore
+from sage_jax.tasks import registry
 
 # Files of a Hugging Face model folder that belong to its tokenizer / generation defaults / licence.
 TOKENIZER_PATTERNS = (
@@ -25,6 +27,8 @@ TOKENIZER_PATTERNS = (
     "LICENSE*", "USE_POLICY*", "NOTICE*",
 )
 EXPORT_INFO = "sage_export.json"
+# The subfolder of a LoRA run's export that holds its adapters as a PEFT adapter folder.
+ADAPTER_DIR = "adapter"
 
 
 def copy_tokenizer_files(src: str | Path, out: str | Path) -> list[str]:
@@ -94,20 +98,32 @@ def export_policy(cfg: Config, model: models.Decoder, step: int, out: str | Path
     """Writes a restored policy (`restore.restore_policy`'s `(cfg, model, step)`) to `out` as a
     Hugging Face folder: config.json, model.safetensors, the base model's tokenizer files and
     sage_export.json. `dtype` ("float32", "bfloat16") converts the weights; None keeps the
-    training dtype. A LoRA run's adapters are folded into the kernels (`models.merge_lora`).
+    training dtype. A LoRA run's adapters are folded into the kernels (`models.merge_lora`)
+    and also written alone to `out/ADAPTER_DIR` (`models.to_peft`, on the folder the task
+    starts from: its `start_folder`, e.g. a warm start, else model.path).
     Returns the export info (the content of sage_export.json)."""
     if dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     _check_out(out, overwrite)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    models.to_hf(model, out, dtype=None if dtype is None else jnp.dtype(dtype))
+    jdtype = None if dtype is None else jnp.dtype(dtype)
+    models.to_hf(model, out, dtype=jdtype)
+    lora = models.LoraSpec.of(cfg.model.lora)
+    start_folder = registry.plugin(cfg.task.name).start_folder
+    # the adapters' base: the folder the task starts from (e.g. its warm start), else model.path
+    lora_base = (str(start_folder(cfg)) if start_folder is not None and cfg.model.path
+                 else cfg.model.path)
+    if lora is not None:
+        models.to_peft(model, lora, out / ADAPTER_DIR, base_model=lora_base, dtype=jdtype)
     info: dict[str, Any] = {
         "source": None if source is None else str(Path(source).resolve()), "step": int(step),
         "task": cfg.task.name, "method": cfg.rl.method, "base_model": cfg.model.path,
         "dtype": dtype or str(jnp.dtype(model.dtype).name), "hints": "none (hint-free policy)",
         "lora": (f"rank {cfg.model.lora.rank}, alpha {cfg.model.lora.alpha}: merged into the "
-                 f"kernels" if cfg.model.lora.rank else None),
+                 f"kernels; the adapters alone in {ADAPTER_DIR}/ (PEFT) for the base model "
+                 f"{lora_base or f'the {cfg.task.name} task builds'}" if lora else None),
+        "adapter": ADAPTER_DIR if lora else None,
         "tokenizer_files": [], "tokenizer": None}
     base = _base_folder(cfg.model.path)
     if not cfg.model.path:

@@ -32,7 +32,7 @@ from sage_jax.engine.trainer.state import TrainState, param_counts
 from sage_jax.eval import accuracy as eval_lib
 from sage_jax.rl import batching, engines, rollout
 from sage_jax.rl.types import Rollout, RolloutEngine, SageTables
-from sage_jax.run import build
+from sage_jax.run import build, restore
 from sage_jax.tasks import data as data_lib, registry
 from sage_jax.tasks.base import Task
 from sage_jax.tasks.benchmarks import Problem
@@ -166,11 +166,22 @@ class _Run:
                 else self.ref_params)
     # params/trainable and params/total (`param_counts`), logged with every step
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    # saved with each checkpoint: with LoRA, the frozen base's record (`restore.base_record`)
+    extra: dict = dataclasses.field(default_factory=dict)
+    sized: bool = False  # the checkpoint's size was printed
 
     def save(self, step: int) -> None:
         if step != self.last_saved or self.ckpt.latest_step() is None:
-            self.ckpt.save(step, self.state.replace(sage=self.tables.arrays()))
+            lora = self.cfg.model.lora.rank > 0
+            self.ckpt.save(step, trainer_state.checkpointed(
+                self.state.replace(sage=self.tables.arrays()), lora), extra=self.extra)
             self.last_saved = step
+            if not self.sized and distributed.is_main():
+                held = ("the adapters and their optimiser state (not the frozen base)" if lora
+                        else "the parameters and the optimiser state")
+                print(f"checkpoint: step {step} is {self.ckpt.size_bytes(step) / 2**20:.1f} MiB "
+                      f"on disk ({held}) in {self.ckpt.step_dir(step)}", flush=True)
+                self.sized = True
 
     def close(self) -> None:
         self.engine.close()
@@ -244,13 +255,20 @@ def _start(cfg: Config, workdir: Path) -> _Run:
     # rl.kl_beta > 0 without LoRA: the initial policy, copied before the first step donates it
     ref_params = (jax.tree.map(jnp.copy, state.params)
                   if cfg.rl.kl_beta > 0 and cfg.model.lora.rank == 0 else None)
+    # a LoRA checkpoint holds the adapters, and the fingerprint of the base they belong to
+    lora = cfg.model.lora.rank > 0
+    extra = restore.base_record(cfg, state.params) if lora else {}
     ckpt = checkpoint.Checkpointer(workdir, keep=cfg.checkpoint.keep,
                                    checksums=cfg.checkpoint.checksums)
     _resume_from(ckpt, cfg.train.resume_step, is_main)
     say = (lambda line: print(line, flush=True)) if is_main else (lambda line: None)
-    resumed = ckpt.restore_latest_good(target=state, report=say)
+    resumed = ckpt.restore_latest_good(target=trainer_state.checkpointed(state, lora),
+                                       report=say)
     if resumed is not None:
-        state, _, step = resumed
+        saved, saved_extra, step = resumed
+        if lora:
+            restore.check_base(saved_extra, extra, ckpt.step_dir(step))
+        state = trainer_state.with_base(saved, state, lora)
         say(f"resumed from {ckpt.step_dir(step)}")
     start = int(state.step)
     engine = build.rollout_engine(cfg, model.cfg, graphdef, state.params, task, mesh)
@@ -271,7 +289,7 @@ def _start(cfg: Config, workdir: Path) -> _Run:
                 step_fn=update.TrainStep(graphdef, update.UpdateSettings.of(cfg), mesh),
                 batch=batch,
                 scorer=scorer, logger=logger, eval_problems=load_eval_problems(cfg) if cfg.eval.every else None,
-                last_saved=start, engine=engine, counts=counts,
+                last_saved=start, engine=engine, counts=counts, extra=extra,
                 logprob_fn=update.make_logprob_fn(
                     graphdef, mesh, micro_batch_size=cfg.rl.micro_batch_size,
                     chunk=cfg.rl.logprob_chunk)

@@ -89,6 +89,8 @@ class TaskPlugin:
       instead of cfg.eval.benchmarks (None: the task is evaluated on benchmark files).
     start_from(cfg, dtype, compute_dtype) -> Decoder: the policy's starting point made from the
       model at model.path (e.g. a cached SFT warm start on the task; None: model.path as is).
+    start_folder(cfg) -> Path: the Hugging Face folder `start_from` loads, the base a LoRA
+      run's exported adapters belong to (None: model.path).
     config: the task's config section class, read as `cfg.task.section(config)` and written
       `task.<name>.<key>` (None: the task has no settings).
     """
@@ -100,4 +102,5 @@ class TaskPlugin:
     examples: Callable[[Any], list] | None = None
     eval_problems: Callable[[Any, int | None], dict[str, list]] | None = None
     start_from: Callable[[Any, Any, Any], Any] | None = None
+    start_folder: Callable[[Any], Any] | None = None
     config: type | None = None

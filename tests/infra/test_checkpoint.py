@@ -271,3 +271,25 @@ def test_relative_workdir(tmp_path, monkeypatch):
         restored, _ = ckpt.restore(target=state)
     np.testing.assert_array_equal(restored["w"], state["w"])
     assert (tmp_path / "runs" / "rel" / "checkpoints" / "1").is_dir()
+
+
+def test_the_fingerprint_is_where_the_weights_are_and_tells_any_change_apart():
+    """One value for the same weights on one device or sharded over the mesh; another for one
+    element one ulp away, two elements swapped, another dtype or another leaf name."""
+    rng = np.random.default_rng(0)
+    w = {"a": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32),
+         "b": jnp.asarray(rng.standard_normal((16,)), jnp.bfloat16)}
+    fp = ckpt_lib.fingerprint(w)
+    mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+    sharded = {"a": jax.device_put(w["a"], NamedSharding(mesh, P("d"))),
+               "b": jax.device_put(w["b"], NamedSharding(mesh, P("d")))}
+    assert len(sharded["a"].sharding.device_set) == len(jax.devices()) > 1
+    assert ckpt_lib.fingerprint(sharded) == fp
+    a = np.asarray(w["a"])
+    ulp = a.copy()
+    ulp[3, 2] = np.nextafter(ulp[3, 2], np.float32(np.inf))
+    swapped = a.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    others = [{**w, "a": jnp.asarray(ulp)}, {**w, "a": jnp.asarray(swapped)},
+              {**w, "b": w["b"].astype(jnp.float32)}, {"a": w["a"], "c": w["b"]}]
+    assert len({fp, *map(ckpt_lib.fingerprint, others)}) == 5

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,7 +18,7 @@ from safetensors.numpy import load_file
 from sage_jax.run import loop
 from sage_jax.run import build, hf_export, restore
 from sage_jax.infra import checkpoint, provenance, rewards
-from sage_jax import config, train
+from sage_jax import config, evaluate, export, models, train
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.infra.phases import PHASES, phase_sum
 from sage_jax.tasks import registry
@@ -167,15 +168,80 @@ def test_a_lora_run_trains_its_adapters_and_samples_with_them(tmp_path):
             assert np.abs(end[key] - start[key]).max() > 1e-4, key
         else:
             np.testing.assert_array_equal(end[key], start[key], err_msg=key)
-    # The export folds the adapters into the kernels (models.merge_lora).
+    # The export folds the adapters into the kernels (models.merge_lora) and writes them alone
+    # as a PEFT adapter folder (its parity with peft: tests/run/test_peft_export.py).
     info = hf_export.export_checkpoint(tmp_path, tmp_path / "export", log=lambda line: None)
-    assert info["lora"] == "rank 4, alpha 16.0: merged into the kernels"
+    assert info["lora"] == ("rank 4, alpha 16.0: merged into the kernels; the adapters alone in "
+                            "adapter/ (PEFT) for the base model the toy task builds")
     tensors = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert not any("lora" in name for name in tensors)
     q = "layers/0/self_attn/q_proj/"
     want = end[q + "kernel"] + end[q + "lora_a"] @ end[q + "lora_b"] * 16.0 / 4
     np.testing.assert_allclose(tensors["model.layers.0.self_attn.q_proj.weight"].T, want,
                                rtol=1e-5, atol=1e-6)
+    adapter = load_file(str(tmp_path / "export" / info["adapter"] / "adapter_model.safetensors"))
+    assert len(adapter) == len(adapters)
+    peft_q = "base_model.model.model.layers.0.self_attn.q_proj."
+    np.testing.assert_array_equal(adapter[peft_q + "lora_A.weight"], end[q + "lora_a"].T)
+    np.testing.assert_array_equal(adapter[peft_q + "lora_B.weight"], end[q + "lora_b"].T)
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_on_its_own_base_only(tmp_path,
+                                                                               capsys):
+    """A LoRA run's checkpoint holds the adapters and their optimiser state, not the base (its
+    size printed); a stopped run resumes bit for bit; resume, evaluate and export refuse
+    another base of the same shapes in one line."""
+    rewards.register_reward("test_char_parity", char_parity, overwrite=True)
+    base = tmp_path / "base"
+    models.to_hf(build.load_model(cfg()), base)  # the toy's random init as model.path
+    c = cfg("rl.method=grpo", "train.steps=2", "model.lora.rank=4", "optim.lr=1e-2",
+            "rl.reward=test_char_parity", f"model.path={base}")
+    loop.train(c, tmp_path / "straight")
+    loop.train(c, tmp_path / "split", stop_after=1)
+    out = capsys.readouterr().out
+    ckpt = checkpoint.Checkpointer(tmp_path / "split", keep=3)
+    saved = ckpt.restore_subtree(1, "params")
+    names = ["/".join(map(str, k)) for k in _paths(saved)]
+    assert names and all(n.split("/")[-2] in ("lora_a", "lora_b") for n in names), names
+    size = ckpt.size_bytes(1)
+    assert (f"checkpoint: step 1 is {size / 2**20:.1f} MiB on disk (the adapters and their "
+            f"optimiser state (not the frozen base))") in out
+    (row,) = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    assert sum(np.size(x) for x in jax.tree.leaves(saved)) == row["params/trainable"] < (
+        0.1 * row["params/total"])
+    loop.train(c, tmp_path / "split")
+    a, b = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("straight", "split"))
+    drop = lambda r: {k: v for k, v in r.items()  # noqa: E731
+                      if not k.startswith(("time/", "throughput/", "programs/"))}
+    assert [r["step"] for r in b] == [1, 2]
+    np.testing.assert_equal(drop(a[1]), drop(b[1]))
+    (s_step, straight), (r_step, resumed) = _params(tmp_path / "straight"), _params(
+        tmp_path / "split")
+    assert s_step == r_step == 2 and straight.keys() == resumed.keys()
+    for key in straight:
+        np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
+    # the same shapes, other weights
+    models.to_hf(build.load_model(cfg("train.seed=1")), base)
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="another base model"):
+        loop.train(cfg("rl.method=grpo", "train.steps=3", "model.lora.rank=4",
+                       f"model.path={base}"), tmp_path / "split")
+    for command, args in ((export.main, ["--checkpoint", str(tmp_path / "straight"),
+                                         "--out", str(tmp_path / "export")]),
+                          (evaluate.main, ["--checkpoint", str(tmp_path / "straight"),
+                                           "--limit", "2"])):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            command(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "holds LoRA adapters of another base model" in err, err
+    assert not (tmp_path / "export" / "model.safetensors").exists()
+
+
+def _paths(tree):
+    return [tuple(getattr(k, "key", k) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 @pytest.mark.slow

@@ -61,6 +61,20 @@ def param_counts(params: nnx.State, lora: bool) -> dict[str, int]:
             "params/total": total}
 
 
+def checkpointed(state: TrainState, lora: bool) -> TrainState:
+    """What a checkpoint holds of `state`: all of it; with `lora`, params are the adapters
+    only (the frozen base is rebuilt from the run's model, `with_base` puts it back)."""
+    return state.replace(params=trainable_split(state.params)[0]) if lora else state
+
+
+def with_base(saved: TrainState, state: TrainState, lora: bool) -> TrainState:
+    """`saved` (a restored `checkpointed` state) with `state`'s frozen base merged back into
+    its params (with `lora`; else `saved` itself)."""
+    if not lora:
+        return saved
+    return saved.replace(params=nnx.merge_state(saved.params, trainable_split(state.params)[1]))
+
+
 def without_adapters(params: nnx.State) -> nnx.State:
     """A LoRA model's `params` with its adapters zeroed: the frozen base's function (the KL
     reference of a LoRA run), without a second copy of the base."""

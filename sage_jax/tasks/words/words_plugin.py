@@ -58,4 +58,5 @@ def start_from(cfg, dtype, compute_dtype):
 
 
 PLUGIN = TaskPlugin(name="words", make_task=make_task, examples=examples,
-                    eval_problems=eval_problems, start_from=start_from, config=WordsConfig)
+                    eval_problems=eval_problems, start_from=start_from,
+                    start_folder=warm_start.warm_start_folder, config=WordsConfig)
