@@ -456,11 +456,6 @@ class Config(Section):
             raise ConfigError(
                 f"rollout.micro_batch_size={rows} must be >= rl.group_size={rl.group_size} (a "
                 f"group is sampled whole), or null for all", key="rollout.micro_batch_size")
-        if self.model.lora.rank and self.rollout.engine == "vllm":
-            raise ConfigError(
-                f"model.lora.rank={self.model.lora.rank} with rollout.engine=vllm: the vLLM "
-                f"engine does not take LoRA adapters yet; use rollout.engine=native",
-                key="model.lora.rank")
         hinted = rl.hinted
         if hinted and self.hint.source == "column" and self.data.hint_key is None:
             raise ConfigError(

