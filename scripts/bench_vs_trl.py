@@ -16,8 +16,14 @@ With --vllm-python, this library runs a second time under that python (a venv wi
 sage_jax) with `rollout.engine=vllm`, on the same prompts (the same seed draws them), so the
 native and the vLLM engine are timed in the same sitting.
 
-TRL is optional and runs from its own venv (`pip install torch==2.13.0 trl==1.16.0`): without
---trl-python only this library is measured. The machine should be otherwise idle: the script
+With --lora-rank R, this library also trains LoRA adapters of rank R (`model.lora.rank`, alpha
+--lora-alpha, all seven projections) beside its full fine-tuning, and TRL trains the same
+adapters through peft (`GRPOTrainer(peft_config=...)`) instead of every weight. Each side's
+final checkpoint is saved and its size on disk reported (ours: the step's orbax folder, the
+optimiser state included; TRL's: its `checkpoint-N` folder, optimizer.pt included).
+
+TRL is optional and runs from its own venv (`pip install torch==2.13.0 trl==1.16.0`, and
+`peft` for --lora-rank): without --trl-python only this library is measured. The machine should be otherwise idle: the script
 reads /proc/stat around each run and marks a run `contended` when other processes used more
 than --other-cores-limit of a core on average; discard contended lines.
 
@@ -40,6 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # tasks.math
 GROUP, PROMPTS, MAX_NEW, LR = 4, 4, 384, 1e-6  # smollm2_gsm8k's rl.* and optim.lr
+# the projections LoRA adapts on both sides (the library's default model.lora.targets)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 # ---- measuring a child process -----------------------------------------------------------------
@@ -98,6 +106,11 @@ def run_child(cmd: list[str], log: Path, env=None) -> dict:
             "other_cores": round(other, 3)}
 
 
+def folder_mib(folder: Path) -> float:
+    """MiB on disk of every file under `folder`."""
+    return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 1)
+
+
 def summary(step_s: list[float]) -> dict:
     rest = step_s[1:] or step_s
     return {"steps": len(step_s), "first_step_s": round(step_s[0], 1),
@@ -123,43 +136,55 @@ def run_ours(args, work: Path, *, name="sage_jax", python=sys.executable, extra=
         if f"time/{key}_s" in rows[0]:
             res[f"{key}_s"] = [round(r[f"time/{key}_s"], 1) for r in rows]
     res["tokens_sampled"] = [int(r["tokens/sampled"]) for r in rows]
+    res["params_trainable"] = int(rows[0]["params/trainable"])
+    res["checkpoint_mib"] = folder_mib(run_dir / "checkpoints" / str(len(rows)))
     if "rollout/logprob_diff_mean" in rows[0]:
         res["logprob_diff_mean"] = [r["rollout/logprob_diff_mean"] for r in rows]
         res["logprob_diff_max"] = [r["rollout/logprob_diff_max"] for r in rows]
     return res, [g["id"] for g in groups]
 
 
-def run_trl(args, work: Path, prompt_ids: list[list[int]]) -> dict:
+def run_trl(args, work: Path, prompt_ids: list[list[int]], *, name="trl",
+            lora_rank: int = 0) -> dict:
+    """TRL's GRPOTrainer on the prompts of `prompt_ids`, in order (with `lora_rank`, peft's
+    adapters of that rank and --lora-alpha instead of every weight)."""
     order = work / "trl_prompts.json"
     order.write_text(json.dumps([i for step in prompt_ids for i in step]))
     cmd = [args.trl_python, str(Path(__file__).resolve()), "--worker", "trl", "--model",
            args.model, "--data", args.data, "--steps", str(args.steps), "--order", str(order),
-           "--out", str(work / "trl_steps.json")]
+           "--out", str(work / f"{name}_steps.json"), "--lora-rank", str(lora_rank),
+           "--lora-alpha", str(args.lora_alpha)]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    res = run_child(cmd, work / "trl.log", env=env)
-    steps = json.loads((work / "trl_steps.json").read_text())
+    res = run_child(cmd, work / f"{name}.log", env=env)
+    steps = json.loads((work / f"{name}_steps.json").read_text())
     res.update(summary(steps["step_s"]))
-    res["tokens_sampled"] = steps["tokens_sampled"]
-    res["versions"] = steps["versions"]
+    for key in ("tokens_sampled", "versions", "params_trainable", "checkpoint_mib"):
+        res[key] = steps[key]
     return res
 
 
 def table(result: dict) -> str:
     """The sitting as a markdown table: each side's median and per-step times, sampling and
     update times, peak RSS and tokens sampled, and its median step over the native engine's."""
-    trl = result.get("trl")
+    trl = result.get("trl", result.get("trl_lora"))
     trl_name = f"TRL {trl['versions']['trl']}" if isinstance(trl, dict) else "TRL"
-    sides = [(k, name) for k, name in (("sage_jax", "sage_jax, native sampler"),
-                                      ("sage_jax_vllm", "sage_jax, rollout.engine=vllm"),
-                                      ("trl", trl_name))
-             if isinstance(result.get(k), dict)]
+    rank = result.get("lora_rank", 0)
+    peft = trl["versions"].get("peft") if isinstance(trl, dict) else None
+    sides = [(k, name) for k, name in (
+        ("sage_jax", "sage_jax, native sampler"),
+        ("sage_jax_lora", f"sage_jax, LoRA rank {rank}"),
+        ("sage_jax_vllm", "sage_jax, rollout.engine=vllm"),
+        ("trl", trl_name), ("trl_lora", f"{trl_name} + peft {peft}, LoRA rank {rank}"))
+        if isinstance(result.get(k), dict)]
     native = result["sage_jax"]["median_step_s"]
+    sized = any("checkpoint_mib" in result[k] for k, _ in sides)
 
     def steps(xs):
         return ", ".join(f"{x:.1f}" for x in xs)
 
     lines = ["| | median step | / native | steps | sampling | update | peak RSS | tokens "
-             "sampled |", "|---|---|---|---|---|---|---|---|"]
+             "sampled |" + (" checkpoint |" if sized else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if sized else "")]
     for key, name in sides:
         r = result[key]
         lines.append(
@@ -167,7 +192,9 @@ def table(result: dict) -> str:
             f"{steps(r['step_s'])} s | {steps(r['sample_s']) + ' s' if 'sample_s' in r else '-'}"
             f" | {steps(r['update_s']) + ' s' if 'update_s' in r else '-'} | "
             f"{r['peak_rss_mib']:,.0f} MiB | {min(r['tokens_sampled'])}-"
-            f"{max(r['tokens_sampled'])} |")
+            f"{max(r['tokens_sampled'])} |"
+            + (f" {r['checkpoint_mib']:,.1f} MiB |" if "checkpoint_mib" in r else
+               (" - |" if sized else "")))
     return "\n".join(lines)
 
 
@@ -204,11 +231,21 @@ def trl_worker(args) -> None:
         return [float(last_boxed(c[-1]["content"]) == a.strip())
                 for c, a in zip(completions, answer)]
 
-    cfg = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, max_steps=args.steps,
+    out_dir = tempfile.mkdtemp()
+    cfg = trl.GRPOConfig(  # one checkpoint, after the last step (not inside a timed step)
+        output_dir=out_dir, use_cpu=True, bf16=False, max_steps=args.steps,
         per_device_train_batch_size=GROUP * PROMPTS, num_generations=GROUP,
         max_completion_length=MAX_NEW, temperature=1.0, learning_rate=LR, beta=0.0,
-        shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to=[], seed=0)
+        shuffle_dataset=False, logging_steps=1, save_strategy="steps", save_steps=args.steps,
+        report_to=[], seed=0)
+    peft_config, versions = None, {}
+    if args.lora_rank:
+        import peft  # the TRL venv's, for --lora-rank only
+
+        peft_config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                      target_modules=LORA_TARGETS, lora_dropout=0.0,
+                                      bias="none", task_type="CAUSAL_LM")
+        versions["peft"] = peft.__version__
     times, tokens = [], []
 
     class StepTimes(transformers.TrainerCallback):
@@ -225,12 +262,15 @@ def trl_worker(args) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     trainer = trl.GRPOTrainer(model=model, processing_class=tok, reward_funcs=boxed_reward,
-                              args=cfg, train_dataset=ds, callbacks=[StepTimes()])
+                              args=cfg, train_dataset=ds, callbacks=[StepTimes()],
+                              peft_config=peft_config)
     trainer.train()
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     Path(args.out).write_text(json.dumps({
-        "step_s": times, "tokens_sampled": tokens,
+        "step_s": times, "tokens_sampled": tokens, "params_trainable": trainable,
+        "checkpoint_mib": folder_mib(Path(out_dir) / f"checkpoint-{args.steps}"),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                     "torch": torch.__version__}}))
+                     "torch": torch.__version__, **versions}}))
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -247,6 +287,11 @@ def main(argv=None) -> None:
                          "with rollout.engine=vllm")
     ap.add_argument("--vllm-kv-gib", type=int, default=1,
                     help="VLLM_CPU_KVCACHE_SPACE for that run (GiB of KV cache)")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="also train LoRA adapters of this rank (ours beside full "
+                         "fine-tuning; TRL with peft instead of full)")
+    ap.add_argument("--lora-alpha", type=float, default=16.0,
+                    help="LoRA alpha on both sides (default 16, model.lora.alpha's)")
     ap.add_argument("--other-cores-limit", type=float, default=0.15)
     ap.add_argument("--out", default=None, help="also write the JSON result here")
     ap.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
@@ -263,7 +308,14 @@ def main(argv=None) -> None:
         result = {"workload": "smollm2_gsm8k grpo", "commit": provenance.commit(),
                   "sage_jax": ours}
         print(json.dumps({"sage_jax": ours}), flush=True)
-        sides = ["sage_jax", "trl"]
+        sides = ["sage_jax"]
+        if args.lora_rank:
+            result["lora_rank"], result["lora_alpha"] = args.lora_rank, args.lora_alpha
+            result["sage_jax_lora"], _ = run_ours(
+                args, work, name="sage_jax_lora", extra=[f"model.lora.rank={args.lora_rank}",
+                                                         f"model.lora.alpha={args.lora_alpha}"])
+            print(json.dumps({"sage_jax_lora": result["sage_jax_lora"]}), flush=True)
+            sides.append("sage_jax_lora")
         if args.vllm_python:
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))
             result["sage_jax_vllm"], _ = run_ours(
@@ -276,17 +328,21 @@ def main(argv=None) -> None:
                 "peak_rss": round(result["sage_jax_vllm"]["peak_rss_mib"]
                                   / ours["peak_rss_mib"], 3)}
             sides.append("sage_jax_vllm")
+        trl_side, ours_side = ("trl_lora", "sage_jax_lora") if args.lora_rank else ("trl",
+                                                                                   "sage_jax")
         if args.trl_python:
-            result["trl"] = run_trl(args, work, prompt_ids)
-            print(json.dumps({"trl": result["trl"]}), flush=True)
-            t = result["trl"]
+            result[trl_side] = t = run_trl(args, work, prompt_ids, name=trl_side,
+                                           lora_rank=args.lora_rank)
+            print(json.dumps({trl_side: t}), flush=True)
+            mine = result[ours_side]
             result["ratio"] = {
-                "median_step": round(ours["median_step_s"] / t["median_step_s"], 3),
-                "peak_rss": round(ours["peak_rss_mib"] / t["peak_rss_mib"], 3)}
+                "median_step": round(mine["median_step_s"] / t["median_step_s"], 3),
+                "peak_rss": round(mine["peak_rss_mib"] / t["peak_rss_mib"], 3)}
+            sides.append(trl_side)
         else:
-            result["trl"] = "skipped: no --trl-python"
+            result[trl_side] = "skipped: no --trl-python"
         for side in sides:
-            if isinstance(result[side], dict):
+            if isinstance(result.get(side), dict):
                 result[side]["contended"] = result[side]["other_cores"] > args.other_cores_limit
     print(json.dumps(result, indent=1))
     print(table(result))
