@@ -107,7 +107,7 @@ def run_estimate(args):
         micro_batch_rows=args.micro_batch or rl.micro_batch_size or prompts * group
         // rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
         master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=args.chunk or None,
-        sample_prompts=args.sample_prompts or min(
+        lora_rank=m.lora.rank, sample_prompts=args.sample_prompts or min(
             prompts, (rollout.micro_batch_size or prompts * group) // group))
     est = memory.estimate(
         mcfg, mesh_shape=settings["mesh"], rows_per_step=settings["rows_per_step"],
@@ -115,7 +115,8 @@ def run_estimate(args):
         max_new_tokens=settings["max_new_tokens"], group_size=group,
         minibatches=rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
         master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=settings["logprob_chunk"],
-        sample_prompts=settings["sample_prompts"], continuous=rollout.continuous_batching)
+        sample_prompts=settings["sample_prompts"], continuous=rollout.continuous_batching,
+        lora=m.lora)
     return est, settings
 
 
@@ -135,14 +136,15 @@ def table(est, s, hbm_gib=None) -> str:
         f"{sampling_plan.prompt_bucket(s['prompt_len'])}+{s['max_new_tokens']} = {length} tokens; "
         f"micro-batch {s['micro_batch_rows']} rows ({s['micro_batch_rows'] // shards} per "
         f"device); {s['param_dtype']} params, {s['compute_dtype']} compute, master_fp32="
-        f"{s['master_fp32']}, remat={s['remat']}, log-prob chunk {s['logprob_chunk']}; "
+        f"{s['master_fp32']}, remat={s['remat']}, log-prob chunk {s['logprob_chunk']}, "
+        f"LoRA rank {s['lora_rank']} (0: full fine-tuning); "
         f"sampler: {s['sample_prompts']} prompts a call",
         f"{'per device':<34}{'GiB':>10}",
         f"  {'params (' + s['param_dtype'] + ')':<32}{gib(est.params)}",
         f"  {'master (float32 extra)':<32}{gib(est.master)}",
         f"  {'optimiser (AdamW mu, nu)':<32}{gib(est.optimizer)}",
         f"  {'grads (accumulator)':<32}{gib(est.grads)}",
-        f"  {'sampler weights (fsdp gathered)':<32}{gib(est.sampler_weights)}",
+        f"  {'sampler weights (cast, gathered)':<32}{gib(est.sampler_weights)}",
         f"  {'KV cache (sampler)':<32}{gib(est.kv_cache)}",
         f"  {'sampler transient':<32}{gib(est.sampler_work)}",
         f"  {'activations (update)':<32}{gib(est.activations)}",

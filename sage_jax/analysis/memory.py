@@ -7,8 +7,10 @@ the mesh's tensor axis when that divides the dimension (else whole, as `parallel
 does); rows are split over data*fsdp.
 
 The state's bytes are exact: the real `TrainState` (params, AdamW state) is built abstractly with
-`nnx.eval_shape`/`jax.eval_shape` and every leaf is sized by the real partition rules
-(`parallel.spec_for`). The sampler's KV cache is exact for the shapes `sampling.sample` allocates
+`nnx.eval_shape`/`jax.eval_shape` (`update.new_state`) and every leaf is sized by the real
+partition rules (`parallel.spec_for`). With LoRA (`model.lora.rank` > 0) the state holds the
+frozen base in the model dtype and the adapters; only the adapters have masters, gradients and
+AdamW moments. The sampler's KV cache is exact for the shapes `sampling.sample` allocates
 (its batch and prompt buckets). Activations are a model of what the update step keeps for the
 backward pass (see `activation_terms`); the tests check it against XLA's buffer assignment.
 
@@ -34,8 +36,8 @@ from sage_jax.engine.sampler import decode, placement
 from sage_jax.engine.trainer import update
 from sage_jax.engine.sampler.sampling_plan import Knobs, SamplingPlan, prompt_bucket
 from sage_jax.engine.trainer.packing import length_bucket
-from sage_jax.config import OptimConfig
-from sage_jax.engine.trainer.state import TrainState, master_params
+from sage_jax.config import Config, LoraConfig, ModelConfig
+from sage_jax.engine.trainer.state import TrainState, trainable_split
 
 GIB = 1024 ** 3
 F32 = 4  # bytes of a float32
@@ -47,18 +49,20 @@ LOGIT_COPIES = 3  # [R, C, V] float32 buffers live in a log-prob chunk's backwar
 class Estimate:
     """Bytes per device. `activations` is the sum of the named `terms` (see `activation_terms`).
 
-    params: the weights in the model dtype (`param_dtype`).
-    master: the extra bytes of float32 masters (`master_fp32` with a 16-bit model dtype). The
-      train state keeps ONE float32 parameter tree (it is both the weights and the masters;
-      weights are cast to the compute dtype per matmul), so params + master = its bytes.
-    optimizer: the optimiser state (AdamW mu and nu, same dtype and sharding as the state's
-      params, plus step counters).
-    grads: the gradient accumulator of `update._accumulate` (the state params' dtype and
-      sharding).
+    params: the weights in the model dtype (`param_dtype`), LoRA adapters included.
+    master: the extra bytes of float32 masters (`master_fp32` with a 16-bit model dtype) of the
+      trained params (all, or with LoRA the adapters). The train state keeps ONE float32 tree
+      of them (it is both the weights and the masters; weights are cast to the compute dtype
+      per matmul), so params + master = the state's params' bytes.
+    optimizer: the optimiser state (AdamW mu and nu of the trained params, in their state
+      dtype and sharding, plus step counters).
+    grads: the gradient accumulator of `update._accumulate` (the trained params, in their
+      state dtype and sharding).
     sampler_weights: the weights as the sampler's programs hold them
       (`placement.sampler_params`): the state's params, matrices cast to the compute dtype,
-      regathered over fsdp, still split over tensor (`placement.SAMPLER_RULES`); 0 with
-      fsdp = 1 and nothing to cast, where the state's own arrays are used.
+      regathered over fsdp, still split over tensor (`placement.SAMPLER_RULES`); with fsdp = 1
+      only the cast copies (the rest is read in place: 0 when nothing is cast; with LoRA and
+      float32 masters, the adapters' compute-dtype copies).
     kv_cache: the sampler's prompt cache [B', P', K/tp, H] and generated-token cache
       [B', K/tp, G, H, S] per layer (k and v), in the model dtype, B' = batch bucket of B prompts
       split over data*fsdp, P' = prompt bucket, S = max_new_tokens - 1 rounded up to 8 (the
@@ -129,23 +133,25 @@ def _itemsize(dtype) -> int:
 
 
 def abstract_state(model_cfg: models.DecoderConfig, *, param_dtype, compute_dtype,
-                   master_fp32: bool, optimizer: str = "adamw") -> TrainState:
-    """The `TrainState` that `update.init_train_state` builds, as ShapeDtypeStructs."""
+                   master_fp32: bool, optimizer: str = "adamw",
+                   lora: LoraConfig = LoraConfig()) -> TrainState:
+    """The `TrainState` that `update.init_train_state` builds, as ShapeDtypeStructs: of the
+    model with `lora`'s adapters when `lora.rank` > 0 (masters and AdamW for them alone)."""
     if optimizer != "adamw":
         raise ValueError(f"optimizer {optimizer!r}: only 'adamw' (the trainer's) is modelled")
     model = nnx.eval_shape(lambda: models.Decoder(
         model_cfg, dtype=jnp.dtype(param_dtype), compute_dtype=jnp.dtype(compute_dtype),
-        rngs=nnx.Rngs(0)))
+        rngs=nnx.Rngs(0), lora=models.LoraSpec.of(lora)))
     _, params = models.split(model)
-    tx = update.make_optimizer(OptimConfig(), 1)
+    settings = update.UpdateSettings.of(Config(model=ModelConfig(master_fp32=master_fp32,
+                                                                 lora=lora)))
+    return jax.eval_shape(lambda p: update.new_state(p, settings), params)
 
-    def init(params):
-        params = master_params(params, master_fp32)
-        return TrainState(params=params, opt_state=tx.init(params),
-                          step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(0),
-                          data_position=jnp.zeros((), jnp.int32))
 
-    return jax.eval_shape(init, params)
+def trained_params(state: TrainState, lora: LoraConfig = LoraConfig()):
+    """The part of `state.params` the optimiser updates: all, or with `lora.rank` > 0 the
+    adapters (`state.trainable_split`)."""
+    return trainable_split(state.params)[0] if lora.rank else state.params
 
 
 def shard_elems(path: str, shape, mesh, rules=parallel.PARTITION_RULES) -> int:
@@ -237,7 +243,8 @@ def _layer_weight_elems(cfg) -> int:
 
 def activation_terms(cfg: models.DecoderConfig, mesh, *, rows_per_step: int,
                      micro_batch_rows: int, seq_len: int, compute_dtype, state_itemsize: int,
-                     remat: bool, logprob_chunk: int | None) -> dict:
+                     remat: bool, logprob_chunk: int | None,
+                     trained_layer_elems: int | None = None) -> dict:
     """Bytes per device of the update step beyond the state and the gradient accumulator:
 
     saved: what the forward pass keeps for the backward: with remat every layer's input
@@ -248,8 +255,9 @@ def activation_terms(cfg: models.DecoderConfig, mesh, *, rows_per_step: int,
     head: final norm (float32 and cast), hidden states, their shifted copy and chunks.
     logprobs: `LOGIT_COPIES` [R, C, V/tp] float32 buffers of one chunk (C = L without chunking;
       `update` recomputes chunk logits in the backward, so no [R, L, V] array is kept).
-    weights: with fsdp > 1, one layer's weights gathered (compute dtype) and its weight
-      gradients before the reduce-scatter (state dtype), both /tp.
+    weights: with fsdp > 1, one layer's weights gathered (compute dtype) and the gradients of
+      its `trained_layer_elems` (None: all its weights; LoRA: its adapters) before the
+      reduce-scatter (state dtype), both /tp.
     batch: the step's rows on this device (tokens, masks, old log-probs, advantages, twice:
       as given and split into micro-batches).
     """
@@ -263,7 +271,9 @@ def activation_terms(cfg: models.DecoderConfig, mesh, *, rows_per_step: int,
     chunk = seq_len if logprob_chunk is None else min(logprob_chunk, seq_len)
     gathered = 0
     if mesh.shape["fsdp"] > 1:
-        gathered = _layer_weight_elems(cfg) // tp * (c + state_itemsize)
+        layer = _layer_weight_elems(cfg)
+        trained = layer if trained_layer_elems is None else trained_layer_elems
+        gathered = layer // tp * c + trained // tp * state_itemsize
     return {
         "saved": cfg.num_layers * (tokens * c * d if remat else saved),
         "layer_recompute": saved if remat else 0,
@@ -281,7 +291,8 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
              group_size: int = 8, minibatches: int = 2, param_dtype="bfloat16",
              compute_dtype="bfloat16", master_fp32: bool = True, remat: bool = True,
              optimizer: str = "adamw", logprob_chunk: int | None = update.DEFAULT_CHUNK,
-             sample_prompts: int | None = None, continuous: bool = False) -> Estimate:
+             sample_prompts: int | None = None, continuous: bool = False,
+             lora: LoraConfig = LoraConfig()) -> Estimate:
     """Per-device bytes of a run (see `Estimate`): `rows_per_step` = prompts * group_size
     answers per step, `micro_batch_rows` rows per gradient-accumulation pass (None = a whole
     mini-batch, rows_per_step / minibatches), prompts of up to `prompt_len` tokens (the
@@ -289,10 +300,12 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
     `length_bucket`), answers of `max_new_tokens`; `sample_prompts` prompts per
     sampling call (None = all the step's prompts at once, as `rollout.run` samples them);
     `continuous`: with fewer than all, the calls batch continuously (`rollout.continuous_batching`).
+    `lora`: the run's `model.lora` (rank > 0: adapters trained, the base frozen).
     `mesh_shape` maps "data", "fsdp", "tensor" to sizes."""
     mesh = fake_mesh(mesh_shape)
     state = abstract_state(model_cfg, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                           master_fp32=master_fp32, optimizer=optimizer)
+                           master_fp32=master_fp32, optimizer=optimizer, lora=lora)
+    trained = trained_params(state, lora)
     state_params = tree_bytes(state.params, mesh)
     params = tree_bytes(state.params, mesh, itemsize=_itemsize(param_dtype))
     kv, work = kv_cache_bytes(model_cfg, mesh,
@@ -306,15 +319,17 @@ def estimate(model_cfg: models.DecoderConfig, *, mesh_shape: dict, rows_per_step
         micro_batch_rows=micro_batch_rows or rows_per_step // minibatches,
         seq_len=length_bucket(prompt_bucket(prompt_len) + max_new_tokens),
         compute_dtype=compute_dtype,
-        state_itemsize=jax.tree.leaves(state.params)[0].dtype.itemsize, remat=remat,
-        logprob_chunk=logprob_chunk)
+        state_itemsize=jax.tree.leaves(trained)[0].dtype.itemsize, remat=remat,
+        logprob_chunk=logprob_chunk,
+        trained_layer_elems=(sum(x.size for x in jax.tree.leaves(trained))
+                             // model_cfg.num_layers if lora.rank else None))
     read = jax.eval_shape(lambda p: placement.sampler_params(p, None, compute_dtype),
                           state.params)  # matrices cast to the compute dtype
-    cast = jax.tree.leaves(read) != jax.tree.leaves(state.params)
-    gathered = 0
-    if mesh.shape["fsdp"] > 1 or cast:
-        gathered = tree_bytes(read, mesh, rules=placement.SAMPLER_RULES)
+    if mesh.shape["fsdp"] == 1:  # read in place, but for the cast copies
+        read = jax.tree.map(lambda r, x: r if r.dtype != x.dtype else None, read, state.params)
     return Estimate(params=params, master=state_params - params,
-                    optimizer=tree_bytes(state.opt_state, mesh), grads=state_params,
-                    sampler_weights=gathered, kv_cache=kv, sampler_work=work,
+                    optimizer=tree_bytes(state.opt_state, mesh),
+                    grads=tree_bytes(trained, mesh),
+                    sampler_weights=tree_bytes(read, mesh, rules=placement.SAMPLER_RULES),
+                    kv_cache=kv, sampler_work=work,
                     activations=sum(terms.values()), terms=terms, mesh_shape=dict(mesh.shape))

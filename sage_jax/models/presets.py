@@ -6,7 +6,7 @@ from __future__ import annotations
 # Dimensions typed in from the public Hugging Face config.json files of these checkpoints
 # (nothing can be downloaded here). The qwen3-4b and llama3.2-3b values are identical to the
 # copies in ../shared/data/tokenizers/*/config.json; qwen2.5-7b is Qwen/Qwen2.5-7B-Instruct's,
-# qwen2.5-0.5b Qwen/Qwen2.5-0.5B-Instruct's (below).
+# qwen2.5-0.5b Qwen/Qwen2.5-0.5B-Instruct's and qwen2.5-1.5b Qwen/Qwen2.5-1.5B-Instruct's (below).
 PRESETS = {
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064,
@@ -36,3 +36,7 @@ PRESETS = {
 PRESETS["qwen2.5-0.5b"] = dict(
     PRESETS["qwen2.5-7b"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
     num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+# Qwen/Qwen2.5-1.5B-Instruct: the same family, embeddings tied (the free-Colab LoRA recipe).
+PRESETS["qwen2.5-1.5b"] = dict(
+    PRESETS["qwen2.5-7b"], vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+    num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)

@@ -23,7 +23,9 @@ from sage_jax import models
 from sage_jax.config import MeshConfig
 from sage_jax.infra import hardware, parallel
 from sage_jax.engine.sampler import placement
+from sage_jax.engine.trainer.state import trainable_split
 from sage_jax.analysis import compile_check as aot
+from sage_jax.models.presets import PRESETS
 from sage_jax.tasks import registry
 
 pytestmark = pytest.mark.slow
@@ -243,35 +245,66 @@ def test_a_run_that_does_not_fit_fails_in_one_line(tmp_path):
     assert "16.0 GiB HBM" in err[0] and "rl.micro_batch_size" in err[0]
 
 
-def test_the_committed_colab_table_fits_at_the_configs_settings():
-    """docs/aot/colab_qwen2.5-0.5b_v5e-1.txt (the long test's command, below, run by hand) was
-    made at the config's own micro-batch and log-prob chunk, and every program in it leaves
-    >= 10% of the v5e's 16 GiB free."""
-    text = (ROOT / "docs" / "aot" / "colab_qwen2.5-0.5b_v5e-1.txt").read_text()
-    cfg = registry.load_config("colab_qwen2.5-0.5b")
+# The free-Colab recipes: (config, --preset, the committed table of the long test's command).
+COLAB = [("colab_qwen2.5-0.5b", "qwen2.5-0.5b", "colab_qwen2.5-0.5b_v5e-1.txt"),
+         ("colab_qwen2.5-1.5b_lora", "qwen2.5-1.5b", "colab_qwen2.5-1.5b_lora_v5e-1.txt")]
+ROW = re.compile(r"^(\S+/\S+|train_step)\s+[\d.]+" + r"\s+([\d.]+)" * 6 + r"\s", re.M)
+
+
+@pytest.mark.parametrize("name,preset,record", COLAB, ids=[c[0] for c in COLAB])
+def test_the_committed_colab_table_fits_at_the_configs_settings(name, preset, record):
+    """docs/aot/<record> (the long test's command, below, run by hand) is the command's table
+    for the config at its own micro-batch, log-prob chunk and LoRA rank, and every program in
+    it leaves >= 10% of the v5e's 16 GiB free."""
+    text = (ROOT / "docs" / "aot" / record).read_text()
+    cfg = registry.load_config(name)
+    head = text.splitlines()
+    assert head[0] == (f"# python -m sage_jax.aot --config {name} --topology v5e:1x1 "
+                       f"--preset {preset}")
     assert (f"(rl.micro_batch_size={cfg.rl.micro_batch_size}, "
-            f"rl.logprob_chunk={cfg.rl.logprob_chunk})") in text.splitlines()[1]
-    rows = {m[1]: float(m[2]) for m in re.finditer(
-        r"^(\S+/\S+|train_step)\s+(?:[\d.]+\s+){6}([\d.]+)\s", text, re.M)}
+            f"rl.logprob_chunk={cfg.rl.logprob_chunk}") in head[1]
+    assert (f"model.lora.rank={cfg.model.lora.rank})" in head[1]) == (cfg.model.lora.rank > 0)
+    rows = {m[1]: float(m[7]) for m in ROW.finditer(text)}
     assert {"rollout/prefill", "hint/prefill", "train_step"} <= set(rows), rows
     assert any(n.startswith("rollout/decode@") for n in rows), rows
     assert all(0 < total <= 0.9 * 16.0 for total in rows.values()), rows
-    assert "exit status 0" in text.splitlines()[1] and "error:" not in text
+    assert "exit status 0" in head[1] and "error:" not in text
+
+
+def test_the_colab_lora_table_holds_a_frozen_bf16_base():
+    """The LoRA recipe's committed table: the train state is the bf16 base plus the adapters
+    with float32 masters and AdamW mu and nu (12 bytes an adapter element), the optimiser the
+    adapters' alone -- the adapters counted in the abstract LoRA decoder -- and no sampling
+    program holds a second (merged) copy of the base: each one's temporaries are less."""
+    name, preset, record = COLAB[1]
+    cfg = registry.load_config(name)
+    _, params = aot.abstract_model(models.DecoderConfig.from_hf_dict(PRESETS[preset]), cfg)
+    adapters = sum(x.size for x in jax.tree.leaves(trainable_split(params)[0]))
+    base = sum(x.size for x in jax.tree.leaves(params)) - adapters
+    assert cfg.model.lora.rank == 16 and cfg.model.dtype == "bfloat16" and adapters > 0
+    text = (ROOT / "docs" / "aot" / record).read_text()
+    gib = lambda b: f"{b / aot.GIB:.2f}"  # noqa: E731
+    assert (f"per device: train state {gib(2 * base + 12 * adapters)} GiB (optimiser "
+            f"{gib(8 * adapters)}, resident while sampling)") in text
+    temps = {m[1]: float(m[4]) for m in ROW.finditer(text) if "/" in m[1]}
+    assert len(temps) >= 10 and max(temps.values()) < float(gib(2 * base)), temps
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("SAGE_JAX_LONG_AOT"),
-                    reason="8 minutes and 10 GiB of host memory to compile here (17 programs), "
-                           "more than CI's budget allows; set SAGE_JAX_LONG_AOT=1 to run it")
-def test_the_colab_recipe_fits_a_free_tpu_v5e_1():
-    """The free-Colab recipe (`colab_qwen2.5-0.5b`: Qwen2.5-0.5B-Instruct, SAGE on GSM8K) at its
-    published shape: every program of a step compiles for one v5e chip (Colab's free TPU
-    runtime, 16 GiB) with >= 10% of the HBM free (docs/aot/colab_qwen2.5-0.5b_v5e-1.txt is the
-    command's table)."""
-    cfg = registry.load_config("colab_qwen2.5-0.5b")
-    assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.rl.method == "sage"
-    out = _aot("--config", "colab_qwen2.5-0.5b", "--topology", "v5e:1x1", "--preset",
-               "qwen2.5-0.5b", "--json", timeout=3600)  # 24 layers, 17 programs
+                    reason="8 to 21 minutes and 5 to 10 GiB of host memory to compile here (17 "
+                           "programs), more than CI's budget allows; set SAGE_JAX_LONG_AOT=1 to "
+                           "run it")
+@pytest.mark.parametrize("name,preset,record", COLAB, ids=[c[0] for c in COLAB])
+def test_the_colab_recipe_fits_a_free_tpu_v5e_1(name, preset, record):
+    """A free-Colab recipe (`colab_qwen2.5-0.5b`: Qwen2.5-0.5B-Instruct, full fine-tuning;
+    `colab_qwen2.5-1.5b_lora`: Qwen2.5-1.5B-Instruct with LoRA; SAGE on GSM8K) at its published
+    shape: every program of a step compiles for one v5e chip (Colab's free TPU runtime, 16 GiB)
+    with >= 10% of the HBM free (docs/aot/<record> is the command's table)."""
+    cfg = registry.load_config(name)
+    assert cfg.model.path.lower() == f"qwen/{preset}-instruct" and cfg.rl.method == "sage"
+    out = _aot("--config", name, "--topology", "v5e:1x1", "--preset", preset, "--json",
+               timeout=3600)  # 24 or 28 layers, 17 programs
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
     rep = json.loads(out.stdout.strip().splitlines()[-1])
     assert rep["chip"]["name"] == "v5e" and rep["devices"] == 1

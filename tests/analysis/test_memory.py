@@ -23,8 +23,9 @@ from sage_jax.engine.trainer import packing, update
 from sage_jax.analysis import memory
 from sage_jax import models
 from sage_jax.infra import parallel
-from sage_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, RLConfig
+from sage_jax.config import Config, LoraConfig, MeshConfig, ModelConfig, OptimConfig, RLConfig
 from sage_jax.config import TrainConfig
+from sage_jax.engine.trainer.state import trainable_split
 from sage_jax.tasks.toy import chains as toy
 
 settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
@@ -91,7 +92,7 @@ def estimate(cfg, sizes, model_cfg=MODEL):
         model_cfg, mesh_shape=dict(zip(parallel.AXES, sizes)), rows_per_step=ROWS,
         micro_batch_rows=MICRO, prompt_len=PROMPT, max_new_tokens=ANSWER, group_size=4,
         minibatches=1, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
-        master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=CHUNK)
+        master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=CHUNK, lora=m.lora)
 
 
 def device_bytes(tree) -> int:
@@ -137,6 +138,45 @@ def test_state_bytes_match_live_arrays():
     est = estimate(cfg, (1, 1, 1))
     other = sum(x.nbytes for x in (state.step, state.rng, state.data_position))
     assert est.state + other == grown
+
+
+def test_a_lora_estimate_trains_the_adapters_alone():
+    """model.lora (rank 4, bf16 base, float32 masters): the estimate's params are the base and
+    the adapters in bf16, and only the adapters have masters, gradients, AdamW moments and (on
+    one device) a compute-dtype copy for the sampler -- counted from the adapters the abstract
+    LoRA decoder really has, each r * (in + out) of the kernel it adapts. Full fine-tuning of
+    the same model has moments for every weight, the same step counters. On one device and on
+    a (2, 2, 2) mesh the state bytes equal what `init_train_state` places there."""
+    lora = LoraConfig(rank=4, alpha=8.0)
+    full = make_cfg("bfloat16", True)
+    cfg = dataclasses.replace(full, model=dataclasses.replace(full.model, lora=lora))
+    bf16 = jnp.dtype("bfloat16")
+    model = nnx.eval_shape(lambda: models.Decoder(MODEL, dtype=bf16, compute_dtype=bf16,
+                                                  rngs=nnx.Rngs(0),
+                                                  lora=models.LoraSpec.of(lora)))
+    linears = [m for _, m in nnx.iter_graph(model) if isinstance(m, models.decoder.Linear)
+               and m.lora_a is not None]
+    adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    assert len(linears) == 7 * MODEL.num_layers
+    assert adapters == sum(4 * sum(m.kernel.shape) for m in linears)
+    base = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) - adapters
+    est, ft = estimate(cfg, (1, 1, 1)), estimate(full, (1, 1, 1))
+    assert est.params == 2 * (base + adapters) and ft.params == 2 * base
+    assert est.master == (4 - 2) * adapters
+    assert est.grads == 4 * adapters
+    counters = ft.optimizer - 8 * base  # AdamW's and the schedule's step counts
+    assert 0 <= counters < 64
+    assert est.optimizer == 8 * adapters + counters  # mu and nu, float32
+    assert est.sampler_weights == 2 * adapters  # the base is read in place
+    assert est.optimizer < ft.optimizer / 8
+    for sizes in [(1, 1, 1), (2, 2, 2)]:
+        _, state = update.init_train_state(
+            models.with_lora(make_model(full), models.LoraSpec.of(lora)), settings_of(cfg),
+            make_mesh(sizes))
+        est = estimate(cfg, sizes)
+        assert est.params + est.master == device_bytes(state.params), sizes
+        assert est.optimizer == device_bytes(state.opt_state), sizes
+        assert est.grads == device_bytes(trainable_split(state.params)[0]), sizes
 
 
 # ---------------------------------------------------------------------------- KV cache (exact)

@@ -14,9 +14,10 @@ from sage_jax import models
 from sage_jax.models.presets import PRESETS
 
 # Parameter counts as published on the models' Hugging Face cards (Qwen2.5-0.5B-Instruct's card
-# says 0.49B, its page's safetensors count 494M: the finer one, as 0.49B is 0.8% off).
+# says 0.49B, its page's safetensors count 494M: the finer one, as 0.49B is 0.8% off;
+# Qwen2.5-1.5B-Instruct's card says 1.54B).
 PUBLISHED_PARAMS = {"qwen2.5-7b": 7.61e9, "qwen3-4b": 4.02e9, "llama3.2-3b": 3.21e9,
-                    "qwen2.5-0.5b": 0.494e9}
+                    "qwen2.5-0.5b": 0.494e9, "qwen2.5-1.5b": 1.54e9}
 TOKENIZER_DIRS = {"qwen3-4b": "qwen3-4b-instruct-2507", "llama3.2-3b": "llama-3.2-3b-instruct"}
 
 

@@ -63,7 +63,11 @@ def test_colab_quickstart_runs_top_to_bottom(tmp_path, monkeypatch):
     (run,) = (cwd / "runs").iterdir()
     assert (run / "summary.png").is_file() and (run / "samples.jsonl").is_file()
     assert any((tmp_path / "cache").iterdir())
-    # the real-model section only checked its config: it downloaded and trained nothing
+    # the real-model sections only checked their configs: they downloaded and trained nothing
     assert "devices: [CpuDevice(id=0)]" in text
+    assert ("recipe colab_qwen2.5-0.5b: Qwen/Qwen2.5-0.5B-Instruct (full fine-tuning, bfloat16 "
+            "weights)") in text
+    assert ("recipe colab_qwen2.5-1.5b_lora: Qwen/Qwen2.5-1.5B-Instruct (LoRA rank 16, alpha 32, "
+            "bfloat16 base frozen)") in text
     assert "mesh MeshConfig(data=1, fsdp=-1, tensor=1)" in text
     assert not (cwd / "runs" / "qwen-sage").exists()
