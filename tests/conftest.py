@@ -50,9 +50,18 @@ def smollm2_dir() -> Path:
     return out
 
 
+# The longest file of the suite (SmolLM2's warm-start SFT, then two SAGE steps: most of a
+# worker's CI time), run before everything else.
+LONGEST = "tests/system/test_words_recipe.py"
+
+
 def pytest_collection_modifyitems(config, items):
-    """tests/system/ first: its files are the suite's longest (the real model's recipe and study,
-    the wheel), so with two workers (`pytest -n 2 --dist loadfile`, the README's command) they
-    start early and the short files fill in around them, instead of one worker finishing them
-    alone at the end. The order within each part is kept."""
-    items.sort(key=lambda item: not item.nodeid.startswith("tests/system/"))
+    """The longest file first, then the rest of tests/system/ (the real model's study, the
+    wheel, multi-process runs), then the other files, each part in its collected order. With two
+    workers (`pytest -n 2 --dist loadfile`, the README's command) xdist hands out the files in
+    this order (`--no-loadscope-reorder` in pyproject.toml; by default it orders them by their
+    number of tests, which sent this two-test file out last and left one worker running it alone
+    for the suite's last twenty minutes), so the long files start first and the short ones fill
+    in around them."""
+    items.sort(key=lambda item: (not item.nodeid.startswith(LONGEST),
+                                 not item.nodeid.startswith("tests/system/")))
