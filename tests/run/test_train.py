@@ -140,16 +140,22 @@ def char_parity(response, ground_truth):
 
 
 @pytest.mark.slow
-def test_a_lora_run_trains_its_adapters_and_samples_with_them(tmp_path):
-    """model.lora.rank=4: params/trainable counts the adapters (r * (in + out) per projection,
-    by hand), the checkpoint's adapters moved from the start while its base is the start's bit
-    for bit, and the native engine samples with the adapters: the trainer's log-probs over the
-    engine's stay 1 at step 2, after step 1 moved them (the rollout correction's ratio)."""
+def test_a_lora_run_trains_samples_and_checkpoints_its_adapters_on_its_own_base_only(tmp_path,
+                                                                                    capsys):
+    """model.lora.rank=4 on a base at model.path: params/trainable counts the adapters (r * (in
+    + out) per projection, by hand); the native engine samples with them (the trainer's
+    log-probs over the engine's stay 1 at step 2, after step 1 moved them: the rollout
+    correction's ratio); the checkpoint holds the adapters and their optimiser state, not the
+    base (its size printed); a stopped run resumes bit for bit; the export folds them in and
+    writes them alone for peft; resume, evaluate and export refuse another base of the same
+    shapes in one line. (The update leaves the base bit-identical: tests/engine/test_update.py.)"""
     rewards.register_reward("test_char_parity", char_parity, overwrite=True)
+    base = tmp_path / "base"
+    models.to_hf(build.load_model(cfg()), base)  # the toy's random init as model.path
     c = cfg("rl.method=grpo", "train.steps=2", "model.lora.rank=4", "optim.lr=1e-2",
-            "rl.rollout_correction=token", "rl.reward=test_char_parity")
-    loop.train(c, tmp_path)
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+            "rl.rollout_correction=token", "rl.reward=test_char_parity", f"model.path={base}")
+    loop.train(c, tmp_path / "straight")
+    rows = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     dims = restore.model_config(c)
     d, f, q, kv = (dims.hidden_size, dims.intermediate_size, dims.num_heads * dims.head_dim,
                    dims.num_kv_heads * dims.head_dim)
@@ -159,20 +165,42 @@ def test_a_lora_run_trains_its_adapters_and_samples_with_them(tmp_path):
         assert r["params/total"] == dims.num_params() + r["params/trainable"]
     assert rows[1]["rollout_correction/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     start = _flat(build.load_model(c))
-    step, end = _params(tmp_path)
+    step, end = _params(tmp_path / "straight")
     assert step == 2 and set(start) == set(end)
     adapters = [k for k in start if k.endswith(("lora_a", "lora_b"))]
     assert len(adapters) == 2 * 7 * dims.num_layers
-    for key in start:
-        if key in adapters:
-            assert np.abs(end[key] - start[key]).max() > 1e-4, key
-        else:
-            np.testing.assert_array_equal(end[key], start[key], err_msg=key)
+    for key in adapters:
+        assert np.abs(end[key] - start[key]).max() > 1e-4, key
+
+    # The checkpoint: the adapters, exactly params/trainable elements; a stop and a resume
+    loop.train(c, tmp_path / "split", stop_after=1)
+    out = capsys.readouterr().out
+    ckpt = checkpoint.Checkpointer(tmp_path / "split", keep=3)
+    saved = ckpt.restore_subtree(1, "params")
+    names = ["/".join(map(str, k)) for k in _paths(saved)]
+    assert names and all(n.split("/")[-2] in ("lora_a", "lora_b") for n in names), names
+    assert sum(np.size(x) for x in jax.tree.leaves(saved)) == rows[0]["params/trainable"] < (
+        0.1 * rows[0]["params/total"])
+    size = ckpt.size_bytes(1)
+    assert (f"checkpoint: step 1 is {size / 2**20:.1f} MiB on disk (the adapters and their "
+            f"optimiser state (not the frozen base))") in out
+    loop.train(c, tmp_path / "split")
+    resumed_rows = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    drop = lambda r: {k: v for k, v in r.items()  # noqa: E731
+                      if not k.startswith(("time/", "throughput/", "programs/"))}
+    assert [r["step"] for r in resumed_rows] == [1, 2]
+    np.testing.assert_equal(drop(resumed_rows[1]), drop(rows[1]))
+    r_step, resumed = _params(tmp_path / "split")
+    assert r_step == 2 and resumed.keys() == end.keys()
+    for key in end:
+        np.testing.assert_array_equal(resumed[key], end[key], err_msg=key)
+
     # The export folds the adapters into the kernels (models.merge_lora) and writes them alone
     # as a PEFT adapter folder (its parity with peft: tests/run/test_peft_export.py).
-    info = hf_export.export_checkpoint(tmp_path, tmp_path / "export", log=lambda line: None)
-    assert info["lora"] == ("rank 4, alpha 16.0: merged into the kernels; the adapters alone in "
-                            "adapter/ (PEFT) for the base model the toy task builds")
+    info = hf_export.export_checkpoint(tmp_path / "straight", tmp_path / "export",
+                                       log=lambda line: None)
+    assert info["lora"] == (f"rank 4, alpha 16.0: merged into the kernels; the adapters alone "
+                            f"in adapter/ (PEFT) for the base model {base}")
     tensors = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert not any("lora" in name for name in tensors)
     q = "layers/0/self_attn/q_proj/"
@@ -185,49 +213,13 @@ def test_a_lora_run_trains_its_adapters_and_samples_with_them(tmp_path):
     np.testing.assert_array_equal(adapter[peft_q + "lora_A.weight"], end[q + "lora_a"].T)
     np.testing.assert_array_equal(adapter[peft_q + "lora_B.weight"], end[q + "lora_b"].T)
 
-
-@pytest.mark.slow
-def test_a_lora_checkpoint_holds_the_adapters_and_resumes_on_its_own_base_only(tmp_path,
-                                                                               capsys):
-    """A LoRA run's checkpoint holds the adapters and their optimiser state, not the base (its
-    size printed); a stopped run resumes bit for bit; resume, evaluate and export refuse
-    another base of the same shapes in one line."""
-    rewards.register_reward("test_char_parity", char_parity, overwrite=True)
-    base = tmp_path / "base"
-    models.to_hf(build.load_model(cfg()), base)  # the toy's random init as model.path
-    c = cfg("rl.method=grpo", "train.steps=2", "model.lora.rank=4", "optim.lr=1e-2",
-            "rl.reward=test_char_parity", f"model.path={base}")
-    loop.train(c, tmp_path / "straight")
-    loop.train(c, tmp_path / "split", stop_after=1)
-    out = capsys.readouterr().out
-    ckpt = checkpoint.Checkpointer(tmp_path / "split", keep=3)
-    saved = ckpt.restore_subtree(1, "params")
-    names = ["/".join(map(str, k)) for k in _paths(saved)]
-    assert names and all(n.split("/")[-2] in ("lora_a", "lora_b") for n in names), names
-    size = ckpt.size_bytes(1)
-    assert (f"checkpoint: step 1 is {size / 2**20:.1f} MiB on disk (the adapters and their "
-            f"optimiser state (not the frozen base))") in out
-    (row,) = read_metrics(tmp_path / "split" / "metrics.jsonl")
-    assert sum(np.size(x) for x in jax.tree.leaves(saved)) == row["params/trainable"] < (
-        0.1 * row["params/total"])
-    loop.train(c, tmp_path / "split")
-    a, b = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("straight", "split"))
-    drop = lambda r: {k: v for k, v in r.items()  # noqa: E731
-                      if not k.startswith(("time/", "throughput/", "programs/"))}
-    assert [r["step"] for r in b] == [1, 2]
-    np.testing.assert_equal(drop(a[1]), drop(b[1]))
-    (s_step, straight), (r_step, resumed) = _params(tmp_path / "straight"), _params(
-        tmp_path / "split")
-    assert s_step == r_step == 2 and straight.keys() == resumed.keys()
-    for key in straight:
-        np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
-    # the same shapes, other weights
+    # Another base: the same shapes, other weights
     models.to_hf(build.load_model(cfg("train.seed=1")), base)
     with pytest.raises(checkpoint.CheckpointMismatchError, match="another base model"):
         loop.train(cfg("rl.method=grpo", "train.steps=3", "model.lora.rank=4",
                        f"model.path={base}"), tmp_path / "split")
     for command, args in ((export.main, ["--checkpoint", str(tmp_path / "straight"),
-                                         "--out", str(tmp_path / "export")]),
+                                         "--out", str(tmp_path / "export2")]),
                           (evaluate.main, ["--checkpoint", str(tmp_path / "straight"),
                                            "--limit", "2"])):
         capsys.readouterr()
@@ -236,7 +228,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_on_its_own_base_only(t
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert "holds LoRA adapters of another base model" in err, err
-    assert not (tmp_path / "export" / "model.safetensors").exists()
+    assert not (tmp_path / "export2" / "model.safetensors").exists()
 
 
 def _paths(tree):
