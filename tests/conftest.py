@@ -55,13 +55,19 @@ def smollm2_dir() -> Path:
 LONGEST = "tests/system/test_words_recipe.py"
 
 
+def pytest_configure(config):
+    """xdist hands out the files in the order `pytest_collection_modifyitems` leaves them
+    (its `--no-loadscope-reorder`, set here so that pytest without xdist runs as well)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """The longest file first, then the rest of tests/system/ (the real model's study, the
     wheel, multi-process runs), then the other files, each part in its collected order. With two
     workers (`pytest -n 2 --dist loadfile`, the README's command) xdist hands out the files in
-    this order (`--no-loadscope-reorder` in pyproject.toml; by default it orders them by their
-    number of tests, which sent this two-test file out last and left one worker running it alone
-    for the suite's last twenty minutes), so the long files start first and the short ones fill
-    in around them."""
+    this order (`pytest_configure`; by default it orders them by their number of tests, which
+    sent this two-test file out last and left one worker running it alone for the suite's last
+    twenty minutes), so the long files start first and the short ones fill in around them."""
     items.sort(key=lambda item: (not item.nodeid.startswith(LONGEST),
                                  not item.nodeid.startswith("tests/system/")))
