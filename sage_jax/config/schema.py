@@ -354,6 +354,12 @@ class RolloutConfig(Section):
     # more host memory (about 22 MB a program for a 30-layer 135M model). None =
     # `engine.sampler.programs.budget` of the model's layers (48 for 30 layers).
     programs_kept: int | None = None
+    # native, LoRA runs (model.lora.rank > 0): false = the adapters run in place at every
+    # projection, x W + (x A) B * alpha / r (no copy of the weights); true = they are folded
+    # into a copy of the adapted kernels once per step (at the sync), and the plain model of
+    # those samples (no adapter dots while decoding; one merged copy of those kernels held).
+    # No effect at rank 0 or with vllm (it always gets the merged kernels).
+    lora_merged: bool = False
 
     def validate(self) -> None:
         require(0 < self.vllm_memory <= 1, "vllm_memory", self.vllm_memory,

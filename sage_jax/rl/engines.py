@@ -2,19 +2,24 @@
 toy gate), behind one interface (`types.RolloutEngine`): `NativeEngine`, the jit sampler of
 `engine.sampler.sampling` on the trainer's own weights (the TPU path, the default), here; vLLM's
 (`run.vllm_engine.VllmEngine`), an optional extra. `run.build.rollout_engine` picks one from
-`rollout.engine`. `StepSampler` is the rollout's `GroupSampler` on any engine.
+`rollout.engine`. `LoraFolder` folds a LoRA policy's adapters into its kernels for the native
+engine (`rollout.lora_merged`). `StepSampler` is the rollout's `GroupSampler` on any engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
+from sage_jax import models
 from sage_jax.engine.sampler import programs, sampling, sampling_plan
 from sage_jax.config import Config
+from sage_jax.infra import parallel
 from sage_jax.rl.types import Rollout, RolloutEngine, Samples
 
 
@@ -41,26 +46,80 @@ class SamplerSettings:
                    programs_kept=programs.budget(num_layers) if kept is None else kept)
 
 
+def has_adapters(params: Any) -> bool:
+    """Whether the policy's `params` hold LoRA adapters (`nnx.LoRAParam`)."""
+    return bool(jax.tree.leaves(nnx.filter_state(params, nnx.LoRAParam)))
+
+
+def _named(tree: Any) -> dict[str, Any]:
+    """{"layers/0/self_attn/q_proj/kernel": leaf, ...}: `tree`'s leaves by name."""
+    return {parallel.path_str(k): x for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+class LoraFolder:
+    """A LoRA policy's adapters folded into its kernels: a call maps the params of `graphdef`
+    (a LoRA `Decoder`) to those of the plain `Decoder` of the same config (`self.graphdef`).
+    Each adapted kernel becomes kernel + A @ B * alpha / r (`models.merged_params`, jitted),
+    computed where it lies and placed with its sharding (on the trainer's mesh: no host round
+    trip); every other leaf is the policy's own array, shared, not copied."""
+
+    def __init__(self, graphdef, params):
+        self.graphdef, shapes = nnx.split(nnx.eval_shape(
+            lambda p: models.merge_lora(models.merge(graphdef, p)), params))
+        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(shapes)
+        self._names = [parallel.path_str(k) for k, _ in leaves]
+        named = _named(params)
+        folded = [n for n in self._names
+                  if n.endswith("/kernel") and n.removesuffix("kernel") + "lora_a" in named]
+        self._folded = folded
+
+        def fold(p):
+            merged = _named(models.merged_params(graphdef, p))
+            return [merged[n] for n in folded]  # only these: the rest is not copied
+
+        self._fold = jax.jit(fold, out_shardings=[named[n].sharding for n in folded])
+
+    def __call__(self, params: Any) -> Any:
+        named = _named(params)
+        named.update(zip(self._folded, self._fold(params)))
+        return jax.tree_util.tree_unflatten(self._treedef, [named[n] for n in self._names])
+
+
 class NativeEngine:
     """The jit sampler on the policy's weights where they are (the trainer's, on its mesh: no
-    host round trip, nothing copied at a sync).
+    host round trip, nothing copied at a sync but `merge_lora`'s merged kernels).
 
     `eos_ids`, `pad_id`: the task's. `mesh`: the mesh the weights live on; prompt rows and KV
     caches are placed on it (see `sampling`); None: no placement (one device). `settings`: the
-    run's `SamplerSettings` (default: every row at once, every program kept)."""
+    run's `SamplerSettings` (default: every row at once, every program kept). `merge_lora`
+    (`rollout.lora_merged`), for a policy whose params hold LoRA adapters: at construction and
+    at every sync they are folded into a copy of the adapted kernels (`LoraFolder`; the other
+    weights shared), and the plain model of those samples (no adapter dots while decoding, one
+    merged copy of those kernels held); without it, or without adapters, the policy samples as
+    it is (a LoRA one runs its adapters at every projection)."""
 
     name = "native"
     trainer_logprobs = True  # its log-probs are the trainer's model's: they may be old log-probs
 
     def __init__(self, graphdef, params, *, eos_ids: Sequence[int], pad_id: int, mesh=None,
-                 settings: SamplerSettings = SamplerSettings()):
-        self.graphdef, self.params, self.mesh, self.settings = graphdef, params, mesh, settings
+                 settings: SamplerSettings = SamplerSettings(), merge_lora: bool = False):
+        self.folder = LoraFolder(graphdef, params) if merge_lora and has_adapters(
+            params) else None
+        self.graphdef = graphdef if self.folder is None else self.folder.graphdef
+        self.params = self._sampled(params)
+        self.mesh, self.settings = mesh, settings
         self.eos_ids, self.pad_id = tuple(int(e) for e in eos_ids), int(pad_id)
 
+    def _sampled(self, params: Any) -> Any:
+        """What the sampler runs for the policy's `params`: they, or their merged form."""
+        return params if self.folder is None else self.folder(params)
+
     def sync(self, params: Any) -> dict[str, float]:
-        """Samples with `params` from now on; frees compiled programs beyond `programs_kept`.
-        Returns {"programs/held", "programs/dropped"}."""
-        self.params = params
+        """Samples with `params` from now on (merged into a new copy with `merge_lora`, the
+        previous copy freed first); frees compiled programs beyond `programs_kept`. Returns
+        {"programs/held", "programs/dropped"}."""
+        self.params = None
+        self.params = self._sampled(params)
         held = programs.compiled()  # new prompt lengths compile more of them
         kept = self.settings.programs_kept
         dropped = 0 if kept is None else programs.drop(kept)

@@ -110,7 +110,8 @@ def rollout_engine(cfg: Config, dims: models.DecoderConfig, graphdef: nnx.GraphD
                             max_len=max(update.row_len(cfg), cfg.hint.max_request_tokens
                                         + cfg.hint.max_new_tokens))
     return engine_named("native", dims, graphdef, params, task, mesh=mesh,
-                        sampler=engines.SamplerSettings.of(cfg, dims.num_layers))
+                        sampler=engines.SamplerSettings.of(cfg, dims.num_layers),
+                        rollout=cfg.rollout)
 
 
 def engine_named(name: str, dims: models.DecoderConfig, graphdef: nnx.GraphDef, params: Any,
@@ -119,12 +120,15 @@ def engine_named(name: str, dims: models.DecoderConfig, graphdef: nnx.GraphDef, 
                  folder: Path | None = None, rollout: RolloutConfig = RolloutConfig(),
                  dtype: str = "bfloat16", max_len: int = 0, seed: int = 0) -> RolloutEngine:
     """The rollout engine `name` (`RolloutConfig.engine`'s values), synced to `params`: the one
-    place that builds an engine. `native`: on `mesh` with `sampler`; `vllm`: started from the
-    Hugging Face model `folder` with `rollout.vllm_memory`, computing in `dtype`, for
-    sequences up to `max_len` tokens, seeded with `seed`."""
+    place that builds an engine. `native`: on `mesh` with `sampler`, a LoRA policy's adapters
+    folded into its kernels at each sync with `rollout.lora_merged` (else run in place);
+    `vllm`: started from the Hugging Face model `folder` with `rollout.vllm_memory`, computing
+    in `dtype`, for sequences up to `max_len` tokens, seeded with `seed` (it always gets the
+    merged kernels)."""
     if name == "native":
         return engines.NativeEngine(graphdef, params, eos_ids=task.eos_ids, pad_id=task.pad_id,
-                                    mesh=mesh, settings=sampler)
+                                    mesh=mesh, settings=sampler,
+                                    merge_lora=rollout.lora_merged)
     if name == "vllm":
         if folder is None:
             raise config_lib.ConfigError(

@@ -159,6 +159,14 @@ def test_lora_is_a_nested_section_of_model_off_by_default(tmp_path):
         assert e.value.key == f"model.lora.{key}" and "\n" not in str(e.value), str(e.value)
 
 
+def test_rollout_lora_merged_is_a_bool_off_by_default():
+    assert Config().rollout.lora_merged is False  # the adapters run in place: no merged copy
+    assert load_config(None, ["rollout.lora_merged=true"]).rollout.lora_merged is True
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.lora_merged=3"])
+    assert "rollout.lora_merged" in str(e.value)
+
+
 def test_sections_validate_on_construction():
     with pytest.raises(ConfigError, match="group_size"):
         RLConfig(group_size=1)

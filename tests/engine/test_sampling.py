@@ -1,4 +1,5 @@
-"""Sampler: greedy parity with `transformers`, log-probs, PRNG, EOS, buckets, knobs."""
+"""Sampler: greedy parity with `transformers`, log-probs, PRNG, EOS, buckets, knobs; LoRA
+adapters in place and merged (the native engine's `merge_lora`)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from sage_jax.infra import parallel
 from sage_jax.config import MeshConfig
 from sage_jax.engine.sampler import decode, placement, programs, sampling, sampling_plan
 from sage_jax.engine.trainer import packing
+from sage_jax.rl import engines
 
 
 def _tiny(vocab=97, seed=0, **kw):
@@ -201,6 +203,101 @@ def test_the_sampler_decodes_with_the_lora_adapters():
     d = sampling.generate(folded, prompts, **kw)
     np.testing.assert_array_equal(c.tokens, d.tokens)
     np.testing.assert_allclose(c.logprobs, d.logprobs, atol=1e-4)
+
+
+def _lora_model(b_seed: int, vocab: int = 128) -> models.Decoder:
+    """`_tiny(vocab, seed=3)`'s weights with rank-4 adapters (alpha 8) whose B is random, drawn
+    from `b_seed` (fresh ones are 0: the base's function)."""
+    model = models.Decoder(_tiny(vocab).cfg, rngs=nnx.Rngs(3),
+                           lora=models.LoraSpec(rank=4, alpha=8.0))
+    rng = np.random.default_rng(b_seed)
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, models.decoder.Linear) and m.lora_b is not None:
+            m.lora_b[...] = jnp.asarray(0.3 * rng.standard_normal(m.lora_b.shape), jnp.float32)
+    return model
+
+
+def _native(graphdef, params, mesh=None, **kw) -> engines.NativeEngine:
+    """The native engine on `params` (on `mesh`: placed there first, see `_placed`)."""
+    return engines.NativeEngine(graphdef, params, eos_ids=(5,), pad_id=0, mesh=mesh, **kw)
+
+
+def _placed(model, mesh):
+    """(graphdef, params) of `model`, the params placed on `mesh` as the trainer places them."""
+    graphdef, params = nnx.split(model)
+    return graphdef, jax.device_put(params, parallel.tree_shardings(params, mesh))
+
+
+def _by_name(params) -> dict:
+    """{"layers/0/mlp/gate_proj/kernel": array, ...}"""
+    return {parallel.path_str(k): x for k, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+GREEDY = dict(key=jax.random.PRNGKey(5), prompt_ids=[0, 1, 2, 3], num_samples=2,
+              max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0)
+
+
+def _assert_same_rows(got, want):
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
+def test_the_merged_lora_engine_samples_what_the_adapters_in_place_sample(shape):
+    """rollout.lora_merged: the native engine that folds a LoRA policy's adapters (B non-zero)
+    into its kernels samples the greedy rows of the engine that runs them in place, and of the
+    plain model `models.merge_lora` builds (log-probs within 1e-4), not the base's; it samples
+    that plain model's definition with no adapter. Its adapted kernels are new arrays with the
+    sharding the trainer's rules give the plain model's kernel of that name (on the 8-device
+    mesh too); every other leaf is the policy's own array (no copy)."""
+    mesh = parallel.make_mesh(MeshConfig(*shape), jax.devices()[:int(np.prod(shape))])
+    lora = _lora_model(0)
+    prompts = _prompts(128, [4, 9, 6, 7], seed=5)
+    graphdef, params = _placed(lora, mesh)
+    in_place = _native(graphdef, params, mesh)
+    merged = _native(graphdef, params, mesh, merge_lora=True)
+    plain = _native(*_placed(models.merge_lora(lora), mesh), mesh)
+    base = _native(*_placed(models.Decoder(lora.cfg, rngs=nnx.Rngs(3)), mesh), mesh)
+    assert merged.graphdef == plain.graphdef != graphdef
+    assert not engines.has_adapters(merged.params) and engines.has_adapters(in_place.params)
+    want, got, policy = (_by_name(e.params) for e in (plain, merged, in_place))
+    assert got.keys() == want.keys()
+    folded = [n for n in got if n.removesuffix("kernel") + "lora_a" in policy]
+    assert len(folded) == 7 * lora.cfg.num_layers
+    for name, x in got.items():
+        assert x.sharding == want[name].sharding, (name, x.sharding, want[name].sharding)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(want[name]), atol=1e-6,
+                                   err_msg=name)
+        assert (x is policy[name]) == (name not in folded), name  # the rest: shared, no copy
+    if shape != (1, 1, 1):  # the rules split the kernels here
+        assert not got["layers/0/mlp/gate_proj/kernel"].sharding.is_fully_replicated
+    rows = merged.sample(prompts, **GREEDY)
+    _assert_same_rows(rows, in_place.sample(prompts, **GREEDY))
+    _assert_same_rows(rows, plain.sample(prompts, **GREEDY))
+    assert not np.array_equal(rows.tokens, base.sample(prompts, **GREEDY).tokens)
+
+
+@pytest.mark.slow
+def test_the_merged_lora_engine_merges_the_adapters_again_at_each_sync():
+    """After a sync with other adapters the merged engine samples what the in-place engine
+    samples with those (not its first merged kernels); a policy without adapters samples as it
+    is (the flag does nothing at rank 0)."""
+    prompts = _prompts(128, [4, 9, 6, 7], seed=5)
+    graphdef, first = nnx.split(_lora_model(0))
+    _, second = nnx.split(_lora_model(1))
+    merged = _native(graphdef, first, merge_lora=True)
+    before = merged.sample(prompts, **GREEDY)
+    _assert_same_rows(before, _native(graphdef, first).sample(prompts, **GREEDY))
+    merged.sync(second)
+    after = merged.sample(prompts, **GREEDY)
+    assert not np.array_equal(after.tokens, before.tokens)
+    _assert_same_rows(after, _native(graphdef, second).sample(prompts, **GREEDY))
+
+    graphdef, params = nnx.split(_tiny(128))
+    plain = _native(graphdef, params, merge_lora=True)
+    assert plain.folder is None and plain.graphdef == graphdef and plain.params is params
 
 
 # ---- EOS and padding ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from sage_jax.infra import checkpoint, provenance, rewards
 from sage_jax import config, evaluate, export, models, train
 from sage_jax.infra.metrics import read_metrics
 from sage_jax.infra.phases import PHASES, phase_sum
+from sage_jax.rl import engines
 from sage_jax.tasks import registry
 
 TINY = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16",
@@ -229,6 +230,36 @@ def test_a_lora_run_trains_samples_and_checkpoints_its_adapters_on_its_own_base_
         assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert "holds LoRA adapters of another base model" in err, err
     assert not (tmp_path / "export2" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_rollout_lora_merged_samples_with_the_adapters_merged_each_step(
+        tmp_path, monkeypatch):
+    """rollout.lora_merged=true: the run's native engine samples the plain model with the
+    adapters folded into its kernels (it holds no adapter) and folds them again at each sync:
+    at step 2, after step 1 moved them (groups split by the parity reward), the trainer's
+    log-probs over the engine's stay 1 on every token (the rollout correction's ratio, its mean
+    and its max)."""
+    built, real = [], build.rollout_engine
+
+    def spy(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(build, "rollout_engine", spy)
+    rewards.register_reward("test_char_parity", char_parity, overwrite=True)
+    loop.train(cfg("rl.method=grpo", "train.steps=2", "model.lora.rank=4", "optim.lr=1e-2",
+                   "rl.rollout_correction=token", "rl.reward=test_char_parity",
+                   "rollout.lora_merged=true", "checkpoint.every=0"), tmp_path)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    (engine,) = built
+    assert isinstance(engine, engines.NativeEngine) and engine.folder is not None
+    assert not engines.has_adapters(engine.params)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["params/trainable"] < rows[0][
+        "params/total"]
+    for r in rows:  # the stale step-0 kernels at step 2: mean 1.03, max 1.8
+        assert r["rollout_correction/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert r["rollout_correction/ratio_max"] == pytest.approx(1.0, abs=1e-4)
 
 
 def _paths(tree):
