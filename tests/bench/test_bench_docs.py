@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 sys.path.insert(0, str(REPO / "scripts"))
@@ -49,6 +51,35 @@ def test_the_engines_sitting_is_quoted_from_its_results_file():
     assert f"by {max(v['logprob_diff_max']):.1e} at most on any token" in prose
     assert f"peaked {ratio['peak_rss']:.2f}x as high" in prose
     assert f"({rec['trl']['median_step_s'] / rec['sage_jax']['median_step_s']:.2f} of the" in prose
+
+
+def test_the_lora_sitting_is_quoted_from_its_results_file():
+    """docs/running.md's LoRA table (full fine-tuning, LoRA, TRL + peft) is `bench_vs_trl.table`
+    of the sitting's file, and every figure in its prose is the file's."""
+    rec = json.loads((DOCS / "bench" / "lora_sitting_2026-12-07.json").read_text())
+    text = (DOCS / "running.md").read_text()
+    quoted = text.split("<!-- lora -->\n")[1].split("\n<!-- /lora -->")[0]
+    assert quoted == bench_vs_trl.table(rec)  # rerun bench_vs_trl.table when the file changes
+    full, lora, trl = rec["sage_jax"], rec["sage_jax_lora"], rec["trl_lora"]
+    assert not any(r["contended"] for r in (full, lora, trl)) and len(rec["commit"]) == 40
+    assert rec["lora_rank"] == 16 and lora["params_trainable"] == trl["params_trainable"]
+    med = lambda xs: float(np.median(xs[1:]))  # noqa: E731  (steps 2 on, as median_step_s)
+    assert med(lora["step_s"]) == lora["median_step_s"]
+    prose = " ".join(text.split())
+    assert (f"With LoRA the median step is {rec['ratio']['median_step']:.2f} of TRL + peft's, "
+            f"at {rec['ratio']['peak_rss']:.2f} of its peak RSS") in prose
+    assert rec["ratio"]["median_step"] == round(lora["median_step_s"] / trl["median_step_s"], 3)
+    assert (f"is {lora['checkpoint_mib']:.1f} MiB against peft's {trl['checkpoint_mib']:.1f}"
+            in prose)
+    assert (f"LoRA trains {lora['params_trainable']:,} of {full['params_trainable']:,} "
+            f"parameters, peaks lower and saves a checkpoint "
+            f"{full['checkpoint_mib'] / lora['checkpoint_mib']:.0f} times smaller") in prose
+    assert lora["peak_rss_mib"] < full["peak_rss_mib"]
+    assert (f"the update's median is {med(lora['update_s']):.1f} s against "
+            f"{med(full['update_s']):.1f} s") in prose
+    assert (f"in place takes {med(lora['sample_s']):.1f} s against {med(full['sample_s']):.1f} s "
+            f"for the same tokens") in prose
+    assert lora["tokens_sampled"] == full["tokens_sampled"]
 
 
 def test_the_sage_step_cost_sitting_is_quoted_from_its_results_file():
