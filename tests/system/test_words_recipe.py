@@ -23,7 +23,7 @@ from sage_jax.tasks import registry
 
 pytestmark = pytest.mark.slow
 
-SHRUNKEN = ["task.words.max_steps=3", "task.words.sft_steps=24", "data.max_prompt_tokens=96",
+SHRUNKEN = ["task.words.max_steps=3", "task.words.sft_steps=16", "data.max_prompt_tokens=96",
             "rl.max_new_tokens=80", "hint.max_new_tokens=48", "train.steps=2",
             "checkpoint.every=2", "train.samples_every=0"]
 
