@@ -9,7 +9,6 @@ engine (`rollout.lora_merged`). `StepSampler` is the rollout's `GroupSampler` on
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
