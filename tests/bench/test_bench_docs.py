@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -80,6 +81,33 @@ def test_the_lora_sitting_is_quoted_from_its_results_file():
     assert (f"in place takes {med(lora['sample_s']):.1f} s against {med(full['sample_s']):.1f} s "
             f"for the same tokens") in prose
     assert lora["tokens_sampled"] == full["tokens_sampled"]
+
+
+def test_the_lora_runs_are_quoted_from_their_record():
+    """docs/running.md's two LoRA runs (toy and smollm2_words): every figure is the record's."""
+    rec = json.loads((DOCS / "bench" / "lora_runs_2026-12-07.json").read_text())
+    prose = " ".join((DOCS / "running.md").read_text().split())
+    toy, words = rec["toy"], rec["words"]
+    assert toy["provenance"]["config"]["model"]["lora"]["rank"] == 8
+    assert words["provenance"]["config"]["model"]["lora"]["rank"] == 16
+    assert words["rl"]["steps"] == words["provenance"]["config"]["train"]["steps"] == 30
+    r = toy["reward_per_step"]
+    ev = toy["eval_by_split"]
+    start, after = ev["SFT start"], ev[f"after sage ({len(r)} steps)"]
+    assert toy["reward_mean_first_5"] == pytest.approx(np.mean(r[:5]))
+    assert toy["reward_mean_last_5"] == pytest.approx(np.mean(r[-5:]))
+    assert (f"`model.lora.rank=8 optim.lr=5e-4` ({toy['params_trainable']:,} of "
+            f"{toy['params_total']:,} parameters trained) took the mean reward of steps 1-5 from "
+            f"{np.mean(r[:5]):.3f} to {np.mean(r[-5:]):.3f} over steps {len(r) - 4}-{len(r)}, and "
+            f"the held-out no-hint pass rate from {start['all']:.3f} to {after['all']:.3f} (the "
+            f"hard split's from {start['hard']:.3f} to {after['hard']:.3f}") in prose
+    g = words["gain"]
+    assert (f"`model.lora.rank=16 optim.lr=1e-4` ({words['params_trainable']:,} parameters "
+            f"trained;") in prose
+    assert (f"on {words['eval_problems']} held-out problems ({words['eval_samples']} answers "
+            f"each) from {words['before']['overall']:.3f} to {words['after']['overall']:.3f}: "
+            f"{g['diff']:+.3f}, 95% interval ({g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f})") in prose
+    assert g["n"] == words["eval_problems"] and g["ci95"][0] > 0  # the claim: it moved
 
 
 def test_the_sage_step_cost_sitting_is_quoted_from_its_results_file():
