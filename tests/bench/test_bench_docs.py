@@ -78,9 +78,28 @@ def test_the_lora_sitting_is_quoted_from_its_results_file():
     assert lora["peak_rss_mib"] < full["peak_rss_mib"]
     assert (f"the update's median is {med(lora['update_s']):.1f} s against "
             f"{med(full['update_s']):.1f} s") in prose
-    assert (f"in place takes {med(lora['sample_s']):.1f} s against {med(full['sample_s']):.1f} s "
-            f"for the same tokens") in prose
+    assert (f"and sampling took {med(lora['sample_s']):.1f} s against "
+            f"{med(full['sample_s']):.1f} s for the same tokens") in prose
     assert lora["tokens_sampled"] == full["tokens_sampled"]
+
+
+def test_the_lora_sampling_sitting_is_quoted_from_its_record():
+    """The in-place against merged LoRA sampling figures in docs/running.md are the record's."""
+    rec = json.loads((DOCS / "bench" / "lora_sampling_2026-12-07.json").read_text())
+    prose = " ".join((DOCS / "running.md").read_text().split())
+    m = rec["modes"]
+    assert not rec["contended"] and rec["rank"] == 16 and rec["prompts"] == 16
+    assert m["in_place"]["lengths_sha1"] == m["merged"]["lengths_sha1"]  # the same answers
+    for mode in ("in_place", "merged"):
+        per_call = [t / s for t, s in zip(m[mode]["useful_tokens"], m[mode]["seconds"])]
+        assert m[mode]["tokens_per_s"] == pytest.approx(np.median(per_call), abs=0.05)
+    assert rec["merged_over_in_place"] == round(
+        m["merged"]["tokens_per_s"] / m["in_place"]["tokens_per_s"], 3)
+    assert (f"the adapters in place sample {m['in_place']['tokens_per_s']:.1f} useful tokens/s "
+            f"and folded into the kernels (`rollout.lora_merged=true`, the merge timed with "
+            f"every call) {m['merged']['tokens_per_s']:.1f} tokens/s: "
+            f"{rec['merged_over_in_place']:.2f}x, for the same "
+            f"{m['merged']['useful_tokens'][0]} tokens") in prose
 
 
 def test_the_lora_runs_are_quoted_from_their_record():
