@@ -4,9 +4,12 @@
         [--config-from own|a|b] [--python PY] [--work DIR] [--json OUT.json] [--model DIR]
 
 A side is a commit (checked out once into a worktree under --work) or the path of a checkout
-(used as it is; its uncommitted changes are recorded as `+dirty`). Every child process runs with
-PYTHONPATH at its side's tree and a compilation cache of its own, and first proves that it
-imports that tree (`sage_jax.__file__`, and `provenance.commit()` where the commit has it).
+(used as it is; its uncommitted changes are recorded as `+dirty`). Every child process runs in
+its side's tree, with PYTHONPATH there, PYTHONSAFEPATH set and a compilation cache of its own. A
+probe first proves that the side imports that tree (`sage_jax.__file__`, and
+`provenance.commit()` where the commit has it), and each run is checked after it ends: the
+commit in its run folder's provenance.json, or in its bench record, must be the side's (where
+the commit records one).
 
 Workloads (`WORKLOADS`): training runs (`python -m sage_jax.train` for `steps` steps; the
 samples are `time/step_s` of every step from the `skip`-th on, and the phases of
@@ -15,8 +18,8 @@ samples are `time/step_s` of every step from the `skip`-th on, and the phases of
 that side's file (the other side's loader must accept it). Which one ran is printed and kept.
 
 Printed and kept in --json: per side the median sample, the phases' medians and the peak RSS;
-the ratio B/A of the medians with a 95 % bootstrap interval (samples resampled within each run),
-and each pair's ratio. Each child's /proc/stat reading says how many cores other processes used
+the ratio B/A of the medians with a 95 % bootstrap interval (runs resampled within each side,
+then samples within each run: the spread between runs counts), and each pair's ratio. Each child's /proc/stat reading says how many cores other processes used
 while it ran; a pair with a contended child is left out of the ratio (and listed).
 """
 
@@ -97,7 +100,7 @@ PROBE = ("import sage_jax, pathlib; print(pathlib.Path(sage_jax.__file__).resolv
 def side_env(tree: Path, work: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
     data = REPO.parent / "shared" / "data"  # a worktree under --work has no ../shared beside it
-    return {**env, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu",
+    return {**env, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1", "JAX_PLATFORMS": "cpu",
             "JAX_COMPILATION_CACHE_DIR": str(work / f"jax-cache-{tree.name}"),
             **({"SAGE_JAX_DATA_DIR": str(data)} if data.is_dir() and
                "SAGE_JAX_DATA_DIR" not in env else {})}
@@ -130,6 +133,29 @@ def command(w: Workload, python: str, config: Path | None, workdir: Path,
             *w.overrides, *extra, f"train.steps={w.steps}"]
 
 
+def child_commit(w: Workload, workdir: Path, log: Path) -> str | None:
+    """The commit a finished child reported: its bench record's, or its run folder's
+    provenance.json's (None where that side's code records none)."""
+    if w.bench:
+        rec = json.loads([ln for ln in log.read_text().splitlines() if ln.startswith("{")][-1])
+        return rec.get("commit")
+    prov = workdir / "provenance.json"
+    return json.loads(prov.read_text()).get("commit") if prov.is_file() else None
+
+
+def run_side(w: Workload, cmd: list[str], tree: Path, commit: str, workdir: Path,
+             env: dict) -> dict:
+    """One child in `tree`: its samples, phases and run_child's reading; an error when the
+    child reports another commit than its side's."""
+    child = run_child(cmd, workdir / "log.txt", env=env, cwd=tree)
+    got = child_commit(w, workdir, workdir / "log.txt")
+    if got is not None and got != commit:
+        raise SystemExit(f"error: the run in {workdir} reports commit {got}, not its side's "
+                         f"{commit} (tree {tree})")
+    samples_s, phases = samples(w, workdir, workdir / "log.txt")
+    return {"samples_s": samples_s, "phases": phases, "reported_commit": got, **child}
+
+
 def samples(w: Workload, workdir: Path, log: Path) -> tuple[list[float], dict[str, float]]:
     """(the timed samples, each phase's median) of one finished child."""
     if w.bench:
@@ -144,12 +170,15 @@ def samples(w: Workload, workdir: Path, log: Path) -> tuple[list[float], dict[st
 def ratio_interval(a: list[list[float]], b: list[list[float]], *, draws: int = 4000,
                    seed: int = 0) -> dict:
     """B/A of the medians of the pooled samples, with a 95 % bootstrap interval that resamples
-    each run's samples within that run; `a` and `b` hold one list per run."""
+    a side's runs, then each drawn run's samples (two levels: a step's spread between runs
+    counts, not only within one); `a` and `b` hold one list per run."""
     rng = np.random.default_rng(seed)
     med = lambda runs: float(np.median(np.concatenate(runs)))  # noqa: E731
 
     def draw(runs):
-        return np.median(np.concatenate([rng.choice(r, size=len(r)) for r in runs]))
+        picked = rng.integers(len(runs), size=len(runs))
+        return np.median(np.concatenate([rng.choice(runs[i], size=len(runs[i]))
+                                         for i in picked]))
     boot = np.asarray([draw(b) / draw(a) for _ in range(draws)])
     lo, hi = np.percentile(boot, [2.5, 97.5])
     return {"a_median": med(a), "b_median": med(b), "ratio": med(b) / med(a),
@@ -196,14 +225,13 @@ def main(argv=None) -> dict:
             env = side_env(tree, work)
             if "model" in w.needs:
                 env["SMOL_HF"] = args.model
-            child = run_child(command(w, args.python, configs[s], wd, args), wd / "log.txt",
-                              env=env)
-            got, phases = samples(w, wd, wd / "log.txt")
-            runs.append({"side": s, "repeat": rep, "samples_s": got, "phases": phases,
-                         **child, "contended": child["other_cores"] > OTHER_CORES_LIMIT})
-            print(f"{s.upper()}{rep}: median {np.median(got):.3f} s over {len(got)} "
-                  f"(other cores {child['other_cores']}, peak RSS "
-                  f"{child['peak_rss_mib']:.0f} MiB)", flush=True)
+            run = run_side(w, command(w, args.python, configs[s], wd, args), tree,
+                           commit, wd, env)
+            runs.append({"side": s, "repeat": rep, **run,
+                         "contended": run["other_cores"] > OTHER_CORES_LIMIT})
+            print(f"{s.upper()}{rep}: median {np.median(run['samples_s']):.3f} s over "
+                  f"{len(run['samples_s'])} (other cores {run['other_cores']}, peak RSS "
+                  f"{run['peak_rss_mib']:.0f} MiB)", flush=True)
     bad = sorted({r["repeat"] for r in runs if r["contended"]})
     kept = [r for r in runs if r["repeat"] not in bad]
     of = lambda s: [r["samples_s"] for r in kept if r["side"] == s]  # noqa: E731

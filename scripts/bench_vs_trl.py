@@ -72,8 +72,8 @@ def _session_cpu(sid: int) -> dict[int, int]:
     return out
 
 
-def run_child(cmd: list[str], log: Path, env=None) -> dict:
-    """Runs `cmd` to the end (output to `log`) in a session of its own; its wall time, peak
+def run_child(cmd: list[str], log: Path, env=None, cwd: Path = ROOT) -> dict:
+    """Runs `cmd` in `cwd` to the end (output to `log`) in a session of its own; its wall time, peak
     RSS and the cores that other processes used meanwhile: whole-machine busy time minus the
     CPU time of the child and every process it started (its session, read from /proc every
     quarter second, so worker processes count as its own)."""
@@ -81,7 +81,7 @@ def run_child(cmd: list[str], log: Path, env=None) -> dict:
     t0 = time.time()
     seen: dict[int, int] = {}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True)
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)

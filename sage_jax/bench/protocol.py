@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Callable
 
+from sage_jax.infra import provenance
+
 
 def log(*args) -> None:
     """A progress line on stderr (stdout holds only the JSON record)."""
@@ -153,7 +155,7 @@ def emit(peer: str, workload: str, w: dict, timing: Timing, *, tokens_per_call: 
     rows = s["num_prompts"] * s["samples_per_prompt"]
     tokens = rows * s["max_new_tokens"] if tokens_per_call is None else tokens_per_call
     rec = {
-        "peer": peer, "workload": workload,
+        "peer": peer, "workload": workload, "commit": provenance.commit(),
         "tokens_per_s": round(tokens / timing.median_s, 2),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "median_s": round(timing.median_s, 4),

@@ -23,6 +23,7 @@ backward pass (1, the library default), SAGE_JAX_BENCH_PADDING_FREE pack the row
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -43,16 +44,18 @@ REMAT = os.environ.get("SAGE_JAX_BENCH_REMAT_LOGITS", "1") == "1"  # recompute c
 PADDING_FREE = os.environ.get("SAGE_JAX_BENCH_PADDING_FREE", "1") == "1"  # pack the rows
 
 
-def model_flops(w: dict, rows: int, seq: int) -> float:
+def model_flops(dims: dict, lengths) -> float:
     """Training FLOPs of one step by the usual MFU count: 6 * matmul params * tokens plus
-    12 * layers * heads * head_dim * seq * tokens for attention (embedding lookup excluded)."""
-    m = w["model"]
-    d, f, h, k, hd = (m["hidden_size"], m["intermediate_size"], m["num_heads"],
-                      m["num_kv_heads"], m["head_dim"])
+    12 * layers * heads * head_dim * length for attention, summed over each row's tokens
+    (embedding lookup excluded; `dims` holds the DecoderConfig's sizes, `lengths` each row's
+    real tokens)."""
+    d, f, h, k, hd = (dims["hidden_size"], dims["intermediate_size"], dims["num_heads"],
+                      dims["num_kv_heads"], dims["head_dim"])
     per_layer = d * hd * (h + 2 * k) + h * hd * d + 3 * d * f
-    params = m["num_layers"] * per_layer + d * m["vocab_size"]
-    tokens = rows * seq
-    return 6.0 * params * tokens + 12.0 * m["num_layers"] * h * hd * seq * tokens
+    params = dims["num_layers"] * per_layer + d * dims["vocab_size"]
+    lengths = np.asarray(lengths, np.float64)
+    return float(6.0 * params * lengths.sum()
+                 + 12.0 * dims["num_layers"] * h * hd * (lengths ** 2).sum())
 
 
 def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
@@ -146,7 +149,8 @@ def run(args) -> None:
             raise RuntimeError(f"non-finite loss or grad norm: {metrics}")
 
     timing = protocol.time_calls(call, w)
-    flops = model_flops(w, rows, seq) if not is_real else None
+    dims = dataclasses.asdict(model.cfg) if is_real else w["model"]
+    flops = model_flops(dims, mask.sum(axis=1))
     mm = matmul_flops_per_s()
     med = timing.median_s
     extra = {
@@ -164,13 +168,13 @@ def run(args) -> None:
         "losses": [round(x, 6) for x in losses],
         "versions": {"jax": jax.__version__},
     }
-    if flops is not None:
-        extra.update(model_flops_per_step=flops, model_flops_per_s=round(flops / med, 1),
-                     model_flops_vs_matmul=round(flops / med / mm, 3))
+    extra.update(model_flops_per_step=flops, model_flops_per_s=round(flops / med, 1),
+                 model_flops_vs_matmul=round(flops / med / mm, 3))
     rec = protocol.emit("sage_jax-update", args.workload, w, timing, extra=extra,
                   tokens_per_call=real_tokens) if args.json else None
     if not args.json:
         protocol.log(f"update {args.workload}: {real_tokens / med:,.0f} real tokens/s, median "
                f"{med:.3f}s, padding {1 - real_tokens / slots:.1%}, peak RSS "
-               f"{protocol.peak_rss_mb():,.0f} MB, matmul {mm / 1e9:.1f} GFLOP/s")
+               f"{protocol.peak_rss_mb():,.0f} MB, model {flops / med / 1e9:.1f} GFLOP/s against a "
+               f"matmul's {mm / 1e9:.1f} ({flops / med / mm:.0%})")
     return rec

@@ -26,6 +26,55 @@ def test_the_ratio_and_its_interval_come_from_the_samples():
     assert slower["b_median"] == pytest.approx(1.2 * slower["a_median"])
 
 
+def test_the_interval_counts_the_spread_between_runs():
+    """Three runs a side whose levels overlap, each run tight: resampling only within runs
+    would call B slower; the spread between runs says it cannot tell."""
+    rng = np.random.default_rng(2)
+    tight = lambda level: list(level + 0.001 * rng.random(8))  # noqa: E731
+    a = [tight(x) for x in (1.00, 1.05, 1.20)]
+    b = [tight(x) for x in (1.02, 1.12, 1.25)]
+    got = ab.ratio_interval(a, b)
+    assert got["ratio"] > 1.05 and got["ci95"][0] < 1.0 < got["ci95"][1]
+
+
+def _fake_tree(root: Path) -> tuple[Path, str]:
+    """A git checkout whose `python -m sage_jax.bench` prints a bench record naming its commit,
+    read from git in its own folder."""
+    tree = root / "fake"
+    (tree / "sage_jax" / "bench").mkdir(parents=True)
+    (tree / "sage_jax" / "__init__.py").write_text("")
+    (tree / "sage_jax" / "bench" / "__init__.py").write_text("")
+    (tree / "sage_jax" / "bench" / "__main__.py").write_text(
+        "import json, pathlib, subprocess\n"
+        "here = pathlib.Path(__file__).parent\n"
+        "sha = subprocess.run(['git', '-C', str(here), 'rev-parse', 'HEAD'], capture_output=True,"
+        " text=True).stdout.strip()\n"
+        "print(json.dumps({'times_s': [1.0, 2.0], 'commit': sha, 'file': __file__}))\n")
+    git = lambda *a: subprocess.run(["git", "-C", str(tree), *a], check=True,  # noqa: E731
+                                    capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "fake")
+    return tree.resolve(), git("rev-parse", "HEAD")
+
+
+def test_each_run_executes_the_code_of_its_own_tree(tmp_path):
+    """Run from this repository's root, a child would import this checkout's sage_jax (python
+    -m puts the working directory first on sys.path); the run must import its side's tree, and
+    a child that reports another commit than its side's is refused."""
+    tree, sha = _fake_tree(tmp_path)
+    w = ab.Workload(bench=("fake",))
+    cmd = ab.command(w, sys.executable, None, tmp_path, None)
+    (tmp_path / "r0").mkdir()
+    run = ab.run_side(w, cmd, tree, sha, tmp_path / "r0", ab.side_env(tree, tmp_path))
+    assert run["samples_s"] == [1.0, 2.0] and run["reported_commit"] == sha
+    record = json.loads((tmp_path / "r0" / "log.txt").read_text().splitlines()[-1])
+    assert Path(record["file"]).resolve().is_relative_to(tree)
+    (tmp_path / "r1").mkdir()
+    with pytest.raises(SystemExit, match="reports commit"):
+        ab.run_side(w, cmd, tree, "0" * 40, tmp_path / "r1", ab.side_env(tree, tmp_path))
+
+
 def test_a_side_that_imports_another_tree_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()  # no sage_jax here: the child would import the installed one
     with pytest.raises(SystemExit, match="imports sage_jax from"):
@@ -53,6 +102,7 @@ def test_two_commits_side_by_side_on_the_toy(tmp_path):
     assert rec["a"]["commit"] == rec["a"]["reported"] == head
     assert rec["b"]["commit"].startswith(head) and rec["config_from"] == "own"
     assert [(r["side"], len(r["samples_s"])) for r in rec["runs"]] == [("a", 1), ("b", 1)]
+    assert [r["reported_commit"] for r in rec["runs"]] == [head, rec["b"]["commit"]]
     assert "config: each side its own toy_tail.yaml" in run.stdout
     if rec["contended_pairs"]:  # a busy machine: no ratio, said so
         assert "every pair was contended" in run.stdout
