@@ -19,8 +19,9 @@ that side's file (the other side's loader must accept it). Which one ran is prin
 
 Printed and kept in --json: per side the median sample, the phases' medians and the peak RSS;
 the ratio B/A of the medians with a 95 % bootstrap interval (runs resampled within each side,
-then samples within each run: the spread between runs counts), and each pair's ratio. Each child's /proc/stat reading says how many cores other processes used
-while it ran; a pair with a contended child is left out of the ratio (and listed).
+then samples within each run: the spread between runs counts), and each pair's ratio. Each
+child's /proc/stat reading says how many cores other processes used while it ran; a pair with a
+contended child is left out of the ratio (and listed).
 """
 
 from __future__ import annotations

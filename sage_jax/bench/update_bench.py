@@ -18,7 +18,8 @@ that are padding, "padded_share" that of the right-padded batch.
 Settings (environment): SAGE_JAX_BENCH_MICRO rows per micro-batch (16; 4 on the real workloads,
 whose packed 16-row micro-batch asked for 27 GB on the 24 GiB machine), SAGE_JAX_BENCH_CHUNK
 sequence columns per logits chunk (64), SAGE_JAX_BENCH_REMAT_LOGITS recompute chunk logits in the
-backward pass (1, the library default), SAGE_JAX_BENCH_PADDING_FREE pack the rows (1).
+backward pass (1, the library default), SAGE_JAX_BENCH_REMAT recompute each layer in the backward
+pass (`model.remat`; 0), SAGE_JAX_BENCH_PADDING_FREE pack the rows (1).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ MICRO_BATCH = os.environ.get("SAGE_JAX_BENCH_MICRO")  # rows per micro-batch (No
 CHUNK = int(os.environ.get("SAGE_JAX_BENCH_CHUNK", "64"))  # sequence columns per logits chunk
 REMAT = os.environ.get("SAGE_JAX_BENCH_REMAT_LOGITS", "1") == "1"  # recompute chunk logits
 PADDING_FREE = os.environ.get("SAGE_JAX_BENCH_PADDING_FREE", "1") == "1"  # pack the rows
+REMAT_LAYERS = os.environ.get("SAGE_JAX_BENCH_REMAT", "0") == "1"  # model.remat
 
 
 def model_flops(dims: dict, lengths) -> float:
@@ -110,11 +112,13 @@ def run(args) -> None:
     is_real = workloads.is_real(w)
     model, tokens, mask, loss_mask = (_real_rows if is_real else _synthetic_rows)(
         w, args.data_dir)
+    model.remat = REMAT_LAYERS  # Decoder's flag: each layer recomputed in the backward pass
     (rows, seq), t = tokens.shape, s["max_new_tokens"]
     micro = min(int(MICRO_BATCH) if MICRO_BATCH else 4 if is_real else 16, rows)
     group = max(2, s["samples_per_prompt"])  # (the step itself takes the advantages as given)
     cfg = config_lib.Config(
-        model=config_lib.ModelConfig(dtype="float32", compute_dtype="float32", remat=False),
+        model=config_lib.ModelConfig(dtype="float32", compute_dtype="float32",
+                                     remat=REMAT_LAYERS),
         rl=config_lib.RLConfig(method="grpo", prompts_per_step=rows // group, group_size=group,
                                max_new_tokens=t, minibatches=1, micro_batch_size=micro,
                                padding_free=PADDING_FREE),
@@ -162,6 +166,7 @@ def run(args) -> None:
         "padding_share": round(1 - real_tokens / slots, 4),
         "padded_share": round(1 - real_tokens / (rows * seq), 4),
         "micro_batch_size": micro, "logits_chunk": CHUNK, "remat_logits": REMAT,
+        "remat_layers": REMAT_LAYERS,
         "devices": len(jax.devices()), "matmul_flops_per_s": round(mm, 1),
         "tokens_per_s_per_own_core": round(
             real_tokens / med / max(timing.cpu.get("own_cores") or 1.0, 0.01), 1),
