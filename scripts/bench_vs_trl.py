@@ -136,6 +136,12 @@ def run_ours(args, work: Path, *, name="sage_jax", python=sys.executable, extra=
         if f"time/{key}_s" in rows[0]:
             res[f"{key}_s"] = [round(r[f"time/{key}_s"], 1) for r in rows]
     res["tokens_sampled"] = [int(r["tokens/sampled"]) for r in rows]
+    # what a step's time follows: its answers' length (the update) and how many ran to the cap
+    # (the sampler decodes until the longest row of a call ends)
+    for key, metric in (("answer_mean_len", "response/mean_length"),
+                        ("answers_at_cap", "response/clipped_frac")):
+        if metric in rows[0]:
+            res[key] = [round(float(r[metric]), 3) for r in rows]
     res["params_trainable"] = int(rows[0]["params/trainable"])
     res["checkpoint_mib"] = folder_mib(run_dir / "checkpoints" / str(len(rows)))
     if "rollout/logprob_diff_mean" in rows[0]:
@@ -160,6 +166,7 @@ def run_trl(args, work: Path, prompt_ids: list[list[int]], *, name="trl",
     res.update(summary(steps["step_s"]))
     for key in ("tokens_sampled", "versions", "params_trainable", "checkpoint_mib"):
         res[key] = steps[key]
+    res.update({k: steps[k] for k in ("answer_mean_len", "answers_at_cap") if k in steps})
     return res
 
 
@@ -246,7 +253,7 @@ def trl_worker(args) -> None:
                                       target_modules=LORA_TARGETS, lora_dropout=0.0,
                                       bias="none", task_type="CAUSAL_LM")
         versions["peft"] = peft.__version__
-    times, tokens = [], []
+    times, tokens, logged = [], [], {"answer_mean_len": [], "answers_at_cap": []}
 
     class StepTimes(transformers.TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -258,6 +265,9 @@ def trl_worker(args) -> None:
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
                 tokens.append(round(logs["completions/mean_length"] * GROUP * PROMPTS))
+                logged["answer_mean_len"].append(round(logs["completions/mean_length"], 3))
+                if "completions/clipped_ratio" in logs:
+                    logged["answers_at_cap"].append(round(logs["completions/clipped_ratio"], 3))
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
@@ -267,7 +277,8 @@ def trl_worker(args) -> None:
     trainer.train()
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     Path(args.out).write_text(json.dumps({
-        "step_s": times, "tokens_sampled": tokens, "params_trainable": trainable,
+        "step_s": times, "tokens_sampled": tokens, **{k: v for k, v in logged.items() if v},
+        "params_trainable": trainable,
         "checkpoint_mib": folder_mib(Path(out_dir) / f"checkpoint-{args.steps}"),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__, **versions}}))
