@@ -186,6 +186,16 @@ def ratio_interval(a: list[list[float]], b: list[list[float]], *, draws: int = 4
             "ci95": [float(lo), float(hi)]}
 
 
+def headline(rec: dict) -> str:
+    """One sentence of a sitting's record: the two medians, B/A with its interval, the pairs."""
+    r, a, b = rec["result"], rec["a"]["commit"][:7], rec["b"]["commit"][:7]
+    kept = len(rec["pair_ratios"])
+    return (f"`{rec['workload']}`, {b} against {a}: median step {r['b_median']:.3f} s against "
+            f"{r['a_median']:.3f} s, B/A **{r['ratio']:.3f}** (95 % {r['ci95'][0]:.3f}-"
+            f"{r['ci95'][1]:.3f}) over {kept} uncontended pair{'s' * (kept != 1)} (pair "
+            "ratios " + ", ".join(f"{x:.3f}" for x in rec["pair_ratios"]) + ")")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

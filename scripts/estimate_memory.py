@@ -46,8 +46,8 @@ def parse_args(argv=None):
                     "(rl.micro_batch_size)")
     ap.add_argument("--sample-prompts", type=int, help="prompts per sampling call (default: "
                     "rollout.micro_batch_size // group size, or all the step's prompts)")
-    ap.add_argument("--chunk", type=int, default=memory.update.DEFAULT_CHUNK,
-                    help="log-prob chunk columns (0 = none)")
+    ap.add_argument("--chunk", type=int, help="log-prob chunk columns (0 = none; default: "
+                    "the config's rl.logprob_chunk)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     ap.add_argument("--xla", metavar="TOPOLOGY",
                     help="also compile the run for TOPOLOGY (e.g. v5p-16, 8xa100-80gb; needs "
@@ -106,7 +106,8 @@ def run_estimate(args):
         max_new_tokens=args.max_new_tokens or rl.max_new_tokens, minibatches=rl.minibatches,
         micro_batch_rows=args.micro_batch or rl.micro_batch_size or prompts * group
         // rl.minibatches, param_dtype=m.dtype, compute_dtype=m.compute_dtype,
-        master_fp32=m.master_fp32, remat=m.remat, logprob_chunk=args.chunk or None,
+        master_fp32=m.master_fp32, remat=m.remat,
+        logprob_chunk=rl.logprob_chunk if args.chunk is None else args.chunk or None,
         lora_rank=m.lora.rank, sample_prompts=args.sample_prompts or min(
             prompts, (rollout.micro_batch_size or prompts * group) // group))
     est = memory.estimate(

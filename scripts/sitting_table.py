@@ -6,8 +6,9 @@
 prints `table(record)`: per workload and engine, useful tokens/s (each row's tokens up to its
 EOS, per second; median call), the mean answer length, the outputs' `lengths_sha1`, peak RSS,
 the cores the engine used while timed, and its speed over vLLM's. A contended line is listed
-and marked, not compared. Then `profile_table(record)`: the record's
-`scripts/profile_decode.py --json` line, a decode step's parts per row count.
+and marked, not compared. Then, where the record has them, `profile_table(record)`: its
+`scripts/profile_decode.py --json` line, a decode step's parts per row count; and
+`update_table(record)`: its update-bench lines, one per remat and logits-chunk setting.
 """
 
 from __future__ import annotations
@@ -48,13 +49,30 @@ def profile_table(rec: dict) -> str:
     return "\n".join(lines)
 
 
+def update_table(rec: dict) -> str:
+    """The record's `update` lines (`python -m sage_jax.bench update --workload real` under
+    SAGE_JAX_BENCH_REMAT and SAGE_JAX_BENCH_CHUNK): one jitted GRPO update per setting."""
+    lines = ["| layers recomputed (remat) | logits chunk | median update | real tokens/s | "
+             "model FLOP/s / a matmul's | peak RSS |", "|---|---|---|---|---|---|"]
+    for r in rec["update"]:
+        name = "yes" if r["remat_layers"] else "no"
+        lines.append(f"| {name} | {r['logits_chunk']} | {r['median_s']:.2f} s | "
+                     f"{r['tokens_per_s']:.0f} | {r['model_flops_per_s'] / 1e9:.1f} / "
+                     f"{r['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s "
+                     f"({r['model_flops_vs_matmul']:.0%}) | {r['peak_rss_mb']:,.0f} MB |"
+                     + (" (contended)" if r["contended"] else ""))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("record", type=Path)
     rec = json.loads(ap.parse_args().record.read_text())
     print(table(rec))
-    print()
-    print(profile_table(rec))
+    for part, render in (("profile", profile_table), ("update", update_table)):
+        if part in rec:
+            print()
+            print(render(rec))
 
 
 if __name__ == "__main__":

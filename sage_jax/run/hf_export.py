@@ -107,6 +107,7 @@ def export_policy(cfg: Config, model: models.Decoder, step: int, out: str | Path
     _check_out(out, overwrite)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / ADAPTER_DIR, ignore_errors=True)  # an earlier export's, when overwriting
     jdtype = None if dtype is None else jnp.dtype(dtype)
     models.to_hf(model, out, dtype=jdtype)
     lora = models.LoraSpec.of(cfg.model.lora)

@@ -31,6 +31,10 @@ from sage_jax.tasks.toy import chains as toy
 settings_of = update.UpdateSettings.of  # the update's settings of a run's Config
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import estimate_memory  # noqa: E402
+
 MODEL = models.DecoderConfig(family="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
 PROMPT, ANSWER, ROWS, MICRO, CHUNK = 16, 112, 16, 8, 64
@@ -369,3 +373,15 @@ def test_cli_paper_config_json():
     assert got["micro_batch_rows"] == 8 and got["total"] == max(got["sampling_peak"],
                                                                 got["update_peak"])
     assert got["headroom"] == int(80 * memory.GIB - got["total"])
+
+
+def test_cli_takes_the_configs_logprob_chunk():
+    """--chunk defaults to the config's rl.logprob_chunk (smollm2_gsm8k: 64); 0 means none."""
+    config = str(ROOT / "configs" / "smollm2_gsm8k.yaml")
+
+    def chunk(*flags):
+        args = estimate_memory.parse_args(["--config", config, "--preset", "qwen3-4b",
+                                           "--mesh", "1,1,1", *flags])
+        return estimate_memory.run_estimate(args)[1]["logprob_chunk"]
+    assert chunk() == 64
+    assert chunk("--chunk", "0") is None and chunk("--chunk", "128") == 128

@@ -92,11 +92,14 @@ def test_peft_loads_the_adapter_folder_onto_the_base_with_the_librarys_logits(fa
 
 
 def test_a_run_without_lora_writes_no_adapter_folder(tmp_path):
+    """Nor leaves one behind when it overwrites a LoRA run's export."""
     base = tmp_path / "base"
     make_hf_model("qwen2_qkv_bias").save_pretrained(base)
     out = tmp_path / "export"
+    hf_export.export_policy(_run_config(base), _trained_lora(base), 3, out, log=lambda line: None)
+    assert (out / hf_export.ADAPTER_DIR).is_dir()
     info = hf_export.export_policy(_run_config(base, lora=None), models.from_hf(base), 0, out,
-                                   log=lambda line: None)
+                                   overwrite=True, log=lambda line: None)
     assert info["adapter"] is None and info["lora"] is None
     assert not (out / hf_export.ADAPTER_DIR).exists() and not list(out.rglob("adapter*"))
     assert {"config.json", "model.safetensors", "sage_export.json"} <= {p.name for p in
