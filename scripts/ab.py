@@ -154,7 +154,8 @@ def run_side(w: Workload, cmd: list[str], tree: Path, commit: str, workdir: Path
         raise SystemExit(f"error: the run in {workdir} reports commit {got}, not its side's "
                          f"{commit} (tree {tree})")
     samples_s, phases = samples(w, workdir, workdir / "log.txt")
-    return {"samples_s": samples_s, "phases": phases, "reported_commit": got, **child}
+    return {"samples_s": samples_s, "median_s": float(np.median(samples_s)), "phases": phases,
+            "reported_commit": got, **child}
 
 
 def samples(w: Workload, workdir: Path, log: Path) -> tuple[list[float], dict[str, float]]:
