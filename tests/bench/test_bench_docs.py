@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 sys.path.insert(0, str(REPO / "scripts"))
 
+import ab  # noqa: E402
 import aot_decode  # noqa: E402
 import aot_train  # noqa: E402
 import bench_cpu_attention  # noqa: E402
@@ -269,3 +270,29 @@ def test_the_paper_train_steps_are_the_table_of_their_records():
     history = (DOCS / "history.md").read_text()
     assert "**kept as history**" in history and "program                    compile s" in history
     assert "[history page](history.md)" in text
+
+
+def _block(text: str, tag: str) -> str:
+    return text.split(f"<!-- {tag} -->\n")[1].split(f"\n<!-- /{tag} -->")[0]
+
+
+def test_the_ab_sitting_of_2026_12_08_is_quoted_from_its_record():
+    """The toy A/B line is `ab.headline` of its record, run with the fixed tool (each B run
+    reported its own commit), and the runs the prose names are the record's."""
+    rec = json.loads((DOCS / "bench" / "ab_toy_2026-12-08.json").read_text())
+    text = (DOCS / "benchmarks.md").read_text()
+    assert _block(text, "ab_toy_2026-12-08") == ab.headline(rec)
+    assert not rec["contended_pairs"] and rec["result"]["ci95"][1] > 1.05  # "not shown"
+    assert all(r["reported_commit"] == rec["b"]["commit"] for r in rec["runs"] if r["side"] == "b")
+    medians = ", ".join(f"{r['median_s']:.3f}" for r in rec["runs"])
+    prose = " ".join(text.split())
+    assert "the runs' median steps were " + medians.rsplit(", ", 1)[0] in prose
+    b = sorted((r for r in rec["runs"] if r["side"] == "b"), key=lambda r: r["median_s"])
+    lo, hi = b[0], b[-1]
+    assert f"(B's {lo['median_s']:.3f} against {hi['median_s']:.3f} s)" in prose
+    assert (f"update {lo['phases']['time/update_s']:.3f} against "
+            f"{hi['phases']['time/update_s']:.3f} s, sampling "
+            f"{lo['phases']['time/first_sample_s']:.3f} against "
+            f"{hi['phases']['time/first_sample_s']:.3f} s") in prose
+    for r in rec["runs"]:
+        assert r["other_cores"] <= 0.15
