@@ -296,3 +296,40 @@ def test_the_ab_sitting_of_2026_12_08_is_quoted_from_its_record():
             f"{hi['phases']['time/first_sample_s']:.3f} s") in prose
     for r in rec["runs"]:
         assert r["other_cores"] <= 0.15
+
+
+def test_the_real_sitting_of_2026_12_08_is_quoted_from_its_record():
+    """The engine and update tables are `sitting_table`'s of the sitting's record, every line
+    uncontended, `real`'s outputs the same for every engine, and the ratios in the prose are
+    the record's."""
+    rec = json.loads((DOCS / "bench" / "real_sitting_2026-12-08.json").read_text())
+    text = (DOCS / "benchmarks.md").read_text()
+    assert _block(text, "real_sitting_2026-12-08") == sitting_table.table(rec)
+    assert _block(text, "update_2026-12-08") == sitting_table.update_table(rec)
+    lines = [r for w in ("real", "real_rl", "update") for r in rec[w]]
+    assert lines and not any(r["contended"] for r in lines)
+    assert {r["lengths_sha1"] for r in rec["real"]} == {"cc35245e4203"}
+    ours = {w: next(r for r in rec[w] if r["peer"] == "sage_jax") for w in ("real", "real_rl")}
+    assert ours["real"]["peak_rss_mb"] <= 2000 and rec["derived"]["real_rl_over_vllm"] >= 1.0
+    d, prose = rec["derived"], " ".join(text.split())
+    assert (f"time {d['remat_over_none_time']:.3f}x, peak RSS "
+            f"{d['remat_over_none_rss']:.3f}x") in prose
+    assert (f"256 columns took {d['chunk256_over_64_time_with_remat']:.3f}x the time and "
+            f"{d['chunk256_over_64_rss_with_remat']:.3f}x the peak RSS of 64") in prose
+    assert {(r["remat_layers"], r["logits_chunk"]) for r in rec["update"]} == {
+        (False, 64), (True, 64), (True, 256)}
+
+
+def test_the_trl_sitting_of_2026_12_08_is_quoted_from_its_record():
+    """The table is `bench_vs_trl.table` of the sitting's record, neither side contended, and
+    the prose's ratios and correlations are the record's."""
+    rec = json.loads((DOCS / "bench" / "trl_sitting_2026-12-08.json").read_text())
+    text = (DOCS / "benchmarks.md").read_text()
+    assert _block(text, "trl_sitting_2026-12-08") == bench_vs_trl.table(rec)
+    assert not rec["sage_jax"]["contended"] and not rec["trl"]["contended"]
+    assert len(rec["commit"]) == 40 and rec["sage_jax"]["steps"] == rec["trl"]["steps"] == 6
+    d, prose = rec["derived"], " ".join(text.split())
+    assert d["ours_over_trl_median_step"] == rec["ratio"]["median_step"]
+    assert f"our median step is {d['ours_over_trl_median_step']:.3f}x TRL's" in prose
+    assert f"at {d['ours_over_trl_peak_rss']:.3f}x its peak RSS" in prose
+    assert f"r = {d['ours_update_vs_tokens_r']:.2f}" in prose
