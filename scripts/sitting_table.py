@@ -55,12 +55,11 @@ def update_table(rec: dict) -> str:
     lines = ["| layers recomputed (remat) | logits chunk | median update | real tokens/s | "
              "model FLOP/s / a matmul's | peak RSS |", "|---|---|---|---|---|---|"]
     for r in rec["update"]:
-        name = "yes" if r["remat_layers"] else "no"
+        name = ("yes" if r["remat_layers"] else "no") + (" (contended)" if r["contended"] else "")
         lines.append(f"| {name} | {r['logits_chunk']} | {r['median_s']:.2f} s | "
                      f"{r['tokens_per_s']:.0f} | {r['model_flops_per_s'] / 1e9:.1f} / "
                      f"{r['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s "
-                     f"({r['model_flops_vs_matmul']:.0%}) | {r['peak_rss_mb']:,.0f} MB |"
-                     + (" (contended)" if r["contended"] else ""))
+                     f"({r['model_flops_vs_matmul']:.0%}) | {r['peak_rss_mb']:,.0f} MB |")
     return "\n".join(lines)
 
 
